@@ -1,0 +1,235 @@
+"""Workload generators for three representative multi-agent applications.
+
+Each generator returns workflows with Poisson arrivals and deadlines of `slack` x the
+workflow's critical path when run alone on one engine of the profile. Everything is
+drawn from one seeded generator, so a seed gives the same trace on every machine.
+
+- pipeline: a software team (product manager -> architect -> engineers -> reviewer, then
+  review rounds where engineers revise and the reviewer checks again); long fixed role
+  prompts; each step reads earlier outputs, revisions continue their own context.
+- mapreduce: a planner reads a long document and splits the work; K workers each read
+  the same document plus the plan; a reducer joins their outputs.
+- debate: N agents over R rounds; in each round every agent continues its own context
+  with the previous round's transcript; a judge reads the whole transcript and closes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.sim.profile import Profile
+from scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
+
+
+@dataclass(frozen=True, slots=True)
+class AppSpec:
+    name: str
+    build: Callable[[np.random.Generator, str], list[Node]]
+    slack: float
+
+
+def _n(rng: np.random.Generator, mean: int, spread: float = 0.5) -> int:
+    """A size around `mean` (uniform within +-spread), at least 1."""
+    return max(1, int(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
+
+
+def _node(nid: str, parents: list[str], out: int, prompt: list[Segment]) -> Node:
+    return Node(nid, tuple(parents), out, tuple(prompt))
+
+
+def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
+    engineers = int(rng.integers(2, 4))
+    rounds = int(rng.integers(1, 3))
+    nodes = [
+        _node("pm", [], _n(rng, 350), [Shared("sys:pm", 1200), Unique(_n(rng, 200))]),
+        _node(
+            "architect",
+            ["pm"],
+            _n(rng, 450),
+            [Shared("sys:architect", 1000), OutputOf("pm"), Unique(_n(rng, 40))],
+        ),
+    ]
+    engs = []
+    for e in range(engineers):
+        nid = f"eng{e}"
+        engs.append(nid)
+        nodes.append(
+            _node(
+                nid,
+                ["architect"],
+                _n(rng, 500),
+                [
+                    Shared("sys:engineer", 900),
+                    ContextOf("architect"),
+                    Unique(_n(rng, 40)),
+                ],
+            )
+        )
+    review = "review0"
+    nodes.append(
+        _node(
+            review,
+            engs,
+            _n(rng, 250),
+            [Shared("sys:reviewer", 900), OutputOf("architect")]
+            + [OutputOf(e) for e in engs]
+            + [Unique(_n(rng, 30))],
+        )
+    )
+    last = {e: e for e in engs}
+    for r in range(1, rounds + 1):
+        revs = []
+        for e in engs:
+            nid = f"{e}.r{r}"
+            nodes.append(
+                _node(
+                    nid,
+                    [review],
+                    _n(rng, 300),
+                    [ContextOf(last[e]), OutputOf(review), Unique(_n(rng, 20))],
+                )
+            )
+            last[e] = nid
+            revs.append(nid)
+        nxt = f"review{r}"
+        nodes.append(
+            _node(
+                nxt,
+                revs,
+                _n(rng, 200),
+                [ContextOf(review)] + [OutputOf(v) for v in revs] + [Unique(_n(rng, 20))],
+            )
+        )
+        review = nxt
+    return nodes
+
+
+def build_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
+    k = int(rng.integers(4, 9))
+    doc = f"doc:{int(rng.integers(0, 40))}"
+    doc_len = _n(rng, 3000, 0.4)
+    nodes = [
+        _node(
+            "plan",
+            [],
+            _n(rng, 150),
+            [Shared("sys:planner", 900), Shared(doc, doc_len), Unique(_n(rng, 100))],
+        )
+    ]
+    maps = []
+    for i in range(k):
+        nid = f"map{i}"
+        maps.append(nid)
+        nodes.append(
+            _node(
+                nid,
+                ["plan"],
+                _n(rng, 220),
+                [
+                    Shared("sys:worker", 600),
+                    Shared(doc, doc_len),
+                    OutputOf("plan"),
+                    Unique(_n(rng, 30)),
+                ],
+            )
+        )
+    nodes.append(
+        _node(
+            "reduce",
+            maps,
+            _n(rng, 300),
+            [Shared("sys:reducer", 500)] + [OutputOf(m) for m in maps] + [Unique(_n(rng, 40))],
+        )
+    )
+    return nodes
+
+
+def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
+    agents = int(rng.integers(3, 5))
+    rounds = int(rng.integers(2, 4))
+    topic = f"topic:{int(rng.integers(0, 200))}"
+    topic_len = _n(rng, 1500, 0.4)
+    nodes: list[Node] = []
+    prev: list[str] = []
+    for r in range(rounds):
+        cur = []
+        for a in range(agents):
+            nid = f"a{a}.r{r}"
+            if r == 0:
+                prompt: list[Segment] = [
+                    Shared("sys:debater", 800),
+                    Shared(topic, topic_len),
+                    Unique(_n(rng, 60)),
+                ]
+            else:
+                own = f"a{a}.r{r - 1}"
+                prompt = [ContextOf(own)]
+                prompt += [OutputOf(p) for p in prev if p != own]
+                prompt.append(Unique(_n(rng, 20)))
+            nodes.append(_node(nid, list(prev), _n(rng, 220), prompt))
+            cur.append(nid)
+        prev = cur
+    everyone = [n.id for n in nodes]
+    nodes.append(
+        _node(
+            "judge",
+            prev,
+            _n(rng, 250),
+            [Shared("sys:judge", 600), Shared(topic, topic_len)]
+            + [OutputOf(n) for n in everyone]
+            + [Unique(_n(rng, 30))],
+        )
+    )
+    return nodes
+
+
+def app_specs() -> dict[str, AppSpec]:
+    return {
+        "pipeline": AppSpec("pipeline", build_pipeline, slack=2.0),
+        "mapreduce": AppSpec("mapreduce", build_mapreduce, slack=2.0),
+        "debate": AppSpec("debate", build_debate, slack=2.0),
+    }
+
+
+def critical_path_alone_s(wf: Workflow, profile: Profile) -> float:
+    """The workflow's critical path with each node run alone on an idle engine."""
+    cost = {
+        n: profile.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
+        for n in wf.nodes
+    }
+    return wf.critical_path(cost)
+
+
+def generate(
+    app: str,
+    workflows: int,
+    rate: float,
+    seed: int,
+    profile: Profile,
+    slack: float | None = None,
+) -> list[Workflow]:
+    specs = app_specs()
+    if app not in specs:
+        raise ValueError(f"unknown app {app!r}; choose from: {', '.join(specs)}")
+    if workflows <= 0:
+        raise ValueError("--workflows must be positive")
+    if not rate > 0:
+        raise ValueError("--rate must be positive (workflows per second)")
+    spec = specs[app]
+    factor = spec.slack if slack is None else slack
+    if not factor > 0:
+        raise ValueError("--slack must be positive")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    t = 0.0
+    out = []
+    for i in range(workflows):
+        t += float(rng.exponential(1.0 / rate))
+        wid = f"{app}-{seed}-{i}"
+        nodes = spec.build(rng, wid)
+        draft = Workflow.create(wid, app, t, 1.0, nodes)
+        deadline = round(factor * critical_path_alone_s(draft, profile), 3)
+        out.append(Workflow.create(wid, app, round(t, 6), deadline, nodes))
+    return out

@@ -1,0 +1,279 @@
+"""Replay a trace through simulated vLLM engines under a policy (virtual clock).
+
+The driver owns the clock and the event queue; the router, policy and engines are the
+same objects the live path uses. Runs are deterministic for a given trace and policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import KVEvent
+from engines.sim.core import SimEngineCore, SimRequest
+from engines.sim.profile import Profile
+from scheduler.policy import PolicyContext, RequestInfo, TransferPricer
+from scheduler.prefix_index import PrefixIndex
+from scheduler.pricing import LinkBandwidthPricer
+from scheduler.registry import PolicyRegistry, default_registry
+from scheduler.router import Router
+from scheduler.state import ClusterState
+from scheduler.tokens import BlockHasher
+from scheduler.workflow import Workflow
+from scheduler.workflows import WorkflowRegistry
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    workflow_id: str
+    node_id: str
+    engine: int
+    kind: str
+    submit_s: float
+    first_token_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    prefill_tokens_computed: int
+    preemptions: int
+    transferred_bytes: int
+
+
+@dataclass(slots=True)
+class WorkflowRecord:
+    workflow_id: str
+    app: str
+    arrival_s: float
+    deadline_s: float  # relative to arrival
+    finish_s: float
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def met(self) -> bool:
+        return self.latency_s <= self.deadline_s
+
+
+@dataclass
+class RunResult:
+    policy: str
+    engines: int
+    profile: str
+    rate_scale: float
+    requests: list[RequestRecord]
+    workflows: list[WorkflowRecord]
+    decision_us: list[float]
+    wall_s: float
+    engine_steps: int
+    engine_prefix_queries: int = 0
+    engine_prefix_hits: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_STEP, _READY = 0, 1
+
+
+class SimReplay:
+    """One simulated run: a trace, a policy, N engines of one profile."""
+
+    def __init__(
+        self,
+        workflows: Sequence[Workflow],
+        policy: str,
+        num_engines: int,
+        profile: Profile,
+        rate_scale: float = 1.0,
+        params: Mapping[str, Any] | None = None,
+        registry: PolicyRegistry | None = None,
+        pricer: TransferPricer | None = None,
+        fast_forward: bool = True,
+        engine_policy: str = "priority",
+        index_cap: int = 4_000_000,
+    ) -> None:
+        if num_engines <= 0:
+            raise ValueError("need at least one engine")
+        if rate_scale <= 0:
+            raise ValueError("rate_scale must be positive")
+        self.workflows = sorted(workflows, key=lambda w: w.arrival_s)
+        self.profile = profile
+        self.rate_scale = rate_scale
+        names = [f"e{i}" for i in range(num_engines)]
+        self.names = names
+        state = ClusterState(names, num_kv_blocks=profile.num_kv_blocks - 1)
+        index = PrefixIndex(names, max_blocks=index_cap)
+        self.ctx = PolicyContext(
+            state=state,
+            index=index,
+            workflows=WorkflowRegistry(keep_finished=1000),
+            profile=profile,
+            pricer=pricer or LinkBandwidthPricer(names),
+            params=dict(params or {}),
+        )
+        reg = registry or default_registry()
+        self.policy_name = policy
+        self.router = Router(self.ctx, reg.create(policy, self.ctx))
+        sink = self.router.on_kv_event
+        self.engines = [
+            SimEngineCore(n, profile, engine_policy, kv_sink=sink, fast_forward=fast_forward)
+            for n in names
+        ]
+        self.hasher = BlockHasher(profile.block_size)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._gen = [0] * num_engines
+        self._meta: dict[str, tuple[Workflow, str, str, int]] = {}
+        self._left: dict[str, int] = {}
+        self._arrival: dict[str, float] = {}
+        self.records: list[RequestRecord] = []
+        self.wf_records: list[WorkflowRecord] = []
+
+    # -- event plumbing --------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+        self._seq += 1
+
+    def _start(self, slot: int, now: float) -> None:
+        end = self.engines[slot].start_step(now)
+        if end >= 0:
+            self._gen[slot] += 1
+            self._push(end, _STEP, (slot, self._gen[slot]))
+
+    def _add(self, slot: int, req: SimRequest, now: float) -> None:
+        core = self.engines[slot]
+        core.add_request(req, now)
+        if not core.busy:
+            self._start(slot, now)
+        else:
+            end = core.interrupt(now)
+            if end is not None:
+                self._gen[slot] += 1
+                self._push(end, _STEP, (slot, self._gen[slot]))
+
+    # -- workflow logic --------------------------------------------------------------
+    def _submit(self, wf: Workflow, node_id: str, now: float) -> None:
+        bs = self.profile.block_size
+        full = self.hasher.chain(wf.context_span(node_id))
+        prompt_tokens = wf.prompt_tokens(node_id)
+        output = wf.nodes[node_id].output_tokens
+        rid = f"{wf.workflow_id}/{node_id}"
+        wst = self.ctx.workflows.get(wf.workflow_id)
+        deadline = wst.deadline_s if wst is not None else float("inf")
+        info = RequestInfo(
+            request_id=rid,
+            workflow_id=wf.workflow_id,
+            node_id=node_id,
+            app=wf.app,
+            prompt_tokens=prompt_tokens,
+            max_tokens=output,
+            block_hashes=full[: prompt_tokens // bs],
+            arrival_s=now,
+            deadline_s=deadline,
+        )
+        placement = self.router.route(info, now)
+        req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
+        moved = 0
+        self._meta[rid] = (wf, node_id, placement.kind.value, 0)
+        if placement.transfer is not None and placement.transfer.num_blocks > 0:
+            tr = placement.transfer
+            moved = tr.num_bytes
+            self._meta[rid] = (wf, node_id, placement.kind.value, moved)
+            self._push(
+                now + tr.predicted_s, _READY, (placement.engine, req, full[: tr.num_blocks], now)
+            )
+        else:
+            req.arrival_time = now
+            self._add(placement.engine, req, now)
+
+    def _on_finished(self, slot: int, req: SimRequest, now: float) -> None:
+        wf, node_id, kind, moved = self._meta.pop(req.request_id)
+        submit = self._arrival.pop(req.request_id, req.arrival_time)
+        self.records.append(
+            RequestRecord(
+                wf.workflow_id,
+                node_id,
+                slot,
+                kind,
+                submit,
+                req.first_token_time,
+                now,
+                req.num_prompt_tokens,
+                req.num_output_tokens,
+                max(req.num_cached_tokens, 0),
+                req.prefill_tokens_computed,
+                req.num_preemptions,
+                moved,
+            )
+        )
+        ready = self.router.on_finish(req.request_id, wf.workflow_id, node_id, now)
+        self._left[wf.workflow_id] -= 1
+        if self._left[wf.workflow_id] == 0:
+            del self._left[wf.workflow_id]
+            arrival = wf.arrival_s / self.rate_scale
+            self.wf_records.append(
+                WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
+            )
+        for child in ready:
+            self._submit(wf, child, now)
+
+    def _arrive(self, wf: Workflow, now: float) -> None:
+        self.ctx.workflows.register(wf, now)
+        self._left[wf.workflow_id] = len(wf.nodes)
+        for root in wf.roots():
+            self._submit(wf, root, now)
+
+    # -- main loop -------------------------------------------------------------------
+    def run(self) -> RunResult:
+        t_wall = time.perf_counter()
+        wfs = self.workflows
+        i, n = 0, len(wfs)
+        heap = self._heap
+        scale = self.rate_scale
+        engines, state, router = self.engines, self.ctx.state, self.router
+        while i < n or heap:
+            next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
+            if heap and heap[0][0] <= next_arrival:
+                now, _seq, kind, payload = heapq.heappop(heap)
+                if kind == _STEP:
+                    slot, gen = payload
+                    if gen != self._gen[slot]:
+                        continue
+                    core = engines[slot]
+                    out = core.complete_step(now)
+                    state.on_stats(slot, core.stats())
+                    for req in out.first_tokens:
+                        router.on_first_token(req.request_id)
+                    for req in out.finished:
+                        if req.first_token_time < 0:
+                            router.on_first_token(req.request_id)
+                        self._on_finished(slot, req, now)
+                    if not core.busy and core.has_work():
+                        self._start(slot, now)
+                else:
+                    slot, req, hashes, submitted = payload
+                    engines[slot].kv.seed(hashes)
+                    self._arrival[req.request_id] = submitted
+                    self._add(slot, req, now)
+            else:
+                self._arrive(wfs[i], next_arrival)
+                i += 1
+        if self._left:
+            raise RuntimeError(f"{len(self._left)} workflows never finished (simulator bug)")
+        return RunResult(
+            policy=self.policy_name,
+            engines=len(engines),
+            profile=self.profile.name,
+            rate_scale=self.rate_scale,
+            requests=self.records,
+            workflows=self.wf_records,
+            decision_us=list(router.decision_us),
+            wall_s=time.perf_counter() - t_wall,
+            engine_steps=sum(e.steps for e in engines),
+            engine_prefix_queries=sum(e.kv.queries_tokens for e in engines),
+            engine_prefix_hits=sum(e.kv.hits_tokens for e in engines),
+        )

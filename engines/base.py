@@ -1,0 +1,97 @@
+"""The one engine interface every engine implements, and the events engines emit.
+
+Policies never see engines, only snapshots built from these events, so a simulated
+engine and a vLLM engine are indistinguishable to them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks (by chain hash) newly cached on an engine, vLLM's `BlockStored` event."""
+
+    engine: str
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks evicted from an engine's prefix cache, vLLM's `BlockRemoved` event."""
+
+    engine: str
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    engine: str
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEventSink = Callable[[KVEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine reports about its load (vLLM's scheduler stats)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_kv_blocks: int
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One request as an engine receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0  # lower runs first, as in vLLM's priority scheduling
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """A piece of a request's output stream."""
+
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # prefix-cache hit, reported with the first chunk
+    text: str = ""
+
+
+class EngineClient(ABC):
+    """An LLM engine the router can place requests on."""
+
+    name: str
+    block_size: int
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Stream the request's output; cancelling the iterator aborts the request."""
+
+    @abstractmethod
+    async def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def subscribe_kv_events(self, sink: KVEventSink) -> None:
+        """Deliver this engine's KV cache events to `sink` from now on."""
+
+    @abstractmethod
+    async def healthy(self) -> bool: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...

@@ -1,0 +1,432 @@
+"""A discrete-event model of one vLLM v1 engine: its scheduler, KV cache and step time.
+
+The scheduling loop follows `vllm/v1/core/sched/scheduler.py`:
+1. running requests first, in order, each taking `min(remaining, token budget)` tokens
+   (chunked prefill); when KV blocks run out the lowest-priority running request (FCFS:
+   the last one) is preempted by recompute and put back at the head of the waiting queue;
+2. only when nothing was preempted, waiting requests in queue order (FCFS, or
+   (priority, arrival) with priority scheduling) while there is budget and a seat under
+   `max_num_seqs`; each looks up its longest prefix-cache hit (at most all tokens but one,
+   so the last prompt token is always computed) and is admitted only if its blocks fit.
+Blocks become cached when the step that fills them is scheduled; a request emits a token
+when a step computes its last known token. Step time comes from the profile.
+
+Decode-only stretches are simulated as one "macro step" of k identical-shape steps (the
+state cannot change until a request finishes, because nothing can be admitted), which
+makes long decodes cost O(batch) instead of O(batch x tokens). A request that arrives
+mid-macro truncates it at the end of the sub-step in flight, so results equal
+step-by-step simulation.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engines.base import BlockRemoved, BlockStored, EngineStats, KVEvent
+from engines.sim.kv_cache import KVCache
+from engines.sim.profile import Profile
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    request_id: str
+    block_hashes: list[int]  # chain hashes over prompt + full output, full blocks only
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Engine-side state.
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit when first scheduled
+    num_preemptions: int = 0
+    prefill_tokens_computed: int = 0  # prompt/recompute tokens actually run through prefill
+    first_scheduled_time: float = -1.0
+    first_token_time: float = -1.0
+    finish_time: float = -1.0
+    seq: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_time >= 0
+
+
+@dataclass(slots=True)
+class _Macro:
+    """k decode steps of one batch; sub-step j ends at start + (j+1)*a + b*j*(j+1)/2."""
+
+    start: float
+    k: int
+    a: float
+    b: float
+
+    def end_of(self, j: int) -> float:
+        return self.start + (j + 1) * self.a + self.b * j * (j + 1) / 2
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    finished: list[SimRequest]
+    first_tokens: list[SimRequest]
+    tokens: list[tuple[SimRequest, int]]  # (request, tokens emitted this step)
+
+
+class SimEngineCore:
+    """One simulated vLLM engine, advanced by a driver that owns the clock."""
+
+    def __init__(
+        self,
+        name: str,
+        profile: Profile,
+        policy: str = "priority",
+        kv_sink: Callable[[KVEvent], None] | None = None,
+        fast_forward: bool = True,
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.name = name
+        self.profile = profile
+        self.policy = policy
+        self.block_size = profile.block_size
+        self.fast_forward = fast_forward
+        self._kv_sink = kv_sink
+        self.kv = KVCache(
+            profile.num_kv_blocks,
+            profile.block_size,
+            on_stored=self._emit_stored if kv_sink else None,
+            on_removed=self._emit_removed if kv_sink else None,
+        )
+        self.running: list[SimRequest] = []
+        self._fcfs: deque[SimRequest] = deque()
+        self._heap: list[tuple[int, float, int, SimRequest]] = []
+        self._seq = 0
+        self._scheduled: list[tuple[SimRequest, int]] = []
+        self._macro: _Macro | None = None
+        self.step_end = -1.0
+        self.busy = False
+        self.steps = 0
+        self.busy_time = 0.0
+        self._aborted: set[str] = set()
+
+    # -- events ----------------------------------------------------------------------
+    def _emit_stored(self, hashes: list[int], parent: int | None) -> None:
+        assert self._kv_sink is not None
+        self._kv_sink(BlockStored(self.name, tuple(hashes), parent))
+
+    def _emit_removed(self, hashes: list[int]) -> None:
+        assert self._kv_sink is not None
+        self._kv_sink(BlockRemoved(self.name, tuple(hashes)))
+
+    # -- queue -----------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fcfs)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            kv_usage=self.kv.usage,
+            num_kv_blocks=self.kv.num_blocks,
+            prefix_cache_queries_tokens=self.kv.queries_tokens,
+            prefix_cache_hits_tokens=self.kv.hits_tokens,
+        )
+
+    def _push_waiting(self, req: SimRequest, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, req.seq, req))
+        elif front:
+            self._fcfs.appendleft(req)
+        else:
+            self._fcfs.append(req)
+
+    def _peek_waiting(self) -> SimRequest | None:
+        if self.policy == "priority":
+            return self._heap[0][3] if self._heap else None
+        return self._fcfs[0] if self._fcfs else None
+
+    def _pop_waiting(self) -> None:
+        if self.policy == "priority":
+            heapq.heappop(self._heap)
+        else:
+            self._fcfs.popleft()
+
+    def add_request(self, req: SimRequest, now: float) -> None:
+        if req.num_prompt_tokens <= 0:
+            raise ValueError(f"request {req.request_id}: empty prompt")
+        if req.num_prompt_tokens + req.max_tokens > self.profile.max_model_len:
+            raise ValueError(
+                f"request {req.request_id}: {req.num_prompt_tokens} prompt + {req.max_tokens} "
+                f"output tokens exceed max_model_len {self.profile.max_model_len}"
+            )
+        req.arrival_time = now
+        req.seq = self._seq
+        self._seq += 1
+        self._push_waiting(req)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; a running one leaves at the end of the step in flight."""
+        if self.policy == "priority":
+            kept = [e for e in self._heap if e[3].request_id != request_id]
+            if len(kept) != len(self._heap):
+                self._heap = kept
+                heapq.heapify(self._heap)
+                return
+        else:
+            for r in self._fcfs:
+                if r.request_id == request_id:
+                    self._fcfs.remove(r)
+                    return
+        if any(r.request_id == request_id for r in self.running):
+            self._aborted.add(request_id)
+
+    # -- scheduling ------------------------------------------------------------------
+    def _allocate(
+        self, req: SimRequest, num_new: int, hit_blocks: list[int] | None = None
+    ) -> bool:
+        kv, bs = self.kv, self.block_size
+        hits = hit_blocks or []
+        total = req.num_computed_tokens + len(hits) * bs + num_new
+        need = -(-total // bs) - len(req.blocks) - len(hits)
+        if need > 0 and not kv.can_allocate(need, hits):
+            return False
+        if hits:
+            kv.touch(hits)
+            req.blocks.extend(hits)
+        if need > 0:
+            req.blocks.extend(kv.allocate(need))
+        full = min(total, req.num_tokens) // bs
+        if full > req.num_cached_blocks:
+            kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
+            req.num_cached_blocks = full
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.kv.free_blocks(req.blocks)
+        req.blocks = []
+        req.num_cached_blocks = 0
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._push_waiting(req, front=True)
+
+    def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], bool, bool]:
+        """One vLLM scheduling pass: (scheduled, preempted any, admitted any)."""
+        prof = self.profile
+        budget = prof.max_num_batched_tokens
+        eligible = len(self.running) + self.num_waiting
+        threshold = prof.long_prefill_token_threshold if eligible > 1 else 0
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            ok = True
+            while not self._allocate(req, num_new):
+                if self.policy == "priority":
+                    victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+                    vi = running.index(victim)
+                    running.pop(vi)
+                    # A victim already scheduled this step gives its budget back.
+                    for si, (sr, sn) in enumerate(scheduled):
+                        if sr is victim:
+                            scheduled.pop(si)
+                            budget += sn
+                            break
+                    if vi < i:
+                        i -= 1
+                else:
+                    victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+        admitted = False
+        if not preempted:
+            kv, bs = self.kv, self.block_size
+            while budget > 0 and len(running) < prof.max_num_seqs:
+                req = self._peek_waiting()
+                if req is None:
+                    break
+                hits: list[int] = []
+                if req.num_computed_tokens == 0:
+                    hits = kv.longest_hit(req.block_hashes, (req.num_tokens - 1) // bs)
+                num_new = req.num_tokens - req.num_computed_tokens - len(hits) * bs
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                num_new = min(num_new, budget)
+                if not self._allocate(req, num_new, hits):
+                    break
+                self._pop_waiting()
+                if req.num_computed_tokens == 0:
+                    kv.queries_tokens += req.num_tokens
+                    kv.hits_tokens += len(hits) * bs
+                req.num_computed_tokens += len(hits) * bs
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = len(hits) * bs
+                    req.first_scheduled_time = now
+                running.append(req)
+                scheduled.append((req, num_new))
+                budget -= num_new
+                admitted = True
+        return scheduled, preempted, admitted
+
+    def start_step(self, now: float) -> float:
+        """Schedule the next step at `now`; returns when it ends."""
+        assert not self.busy, f"engine {self.name}: step already in flight"
+        scheduled, preempted, admitted = self._schedule(now)
+        if not scheduled:
+            # Nothing fits (all blocks held by waiting-only state cannot happen in vLLM);
+            # report idle so the driver waits for the next arrival.
+            return -1.0
+        prefill = decode = decode_ctx = attn = 0
+        for req, n in scheduled:
+            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                decode += 1
+                decode_ctx += req.num_computed_tokens + 1
+            else:
+                prefill += n
+                attn += n * (req.num_computed_tokens + n)
+        step = self.profile.step
+        dur = step.step_s(prefill, decode, decode_ctx, attn)
+        self._scheduled = scheduled
+        self._macro = None
+        if (
+            self.fast_forward
+            and prefill == 0
+            and not preempted
+            and not admitted
+            and len(scheduled) == len(self.running)
+        ):
+            k = self._macro_len()
+            if k > 1:
+                a = dur
+                b = step.per_decode_ctx_token_s * decode
+                self._macro = _Macro(now, k, a, b)
+                dur = self._macro.end_of(k - 1) - now
+        self.busy = True
+        self.step_end = now + dur
+        return self.step_end
+
+    def _macro_len(self) -> int:
+        """Decode steps the current batch can take before a request finishes or KV runs
+        out (the first step's blocks are already allocated)."""
+        kmax = min(r.max_tokens - r.num_output_tokens for r in self.running)
+        if kmax <= 1:
+            return kmax
+        free, bs = self.kv.num_free, self.block_size
+
+        def blocks_needed(k: int) -> int:
+            # After k steps a request has computed c0 + k tokens and needs their blocks.
+            return sum(
+                max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks))
+                for r in self.running
+            )
+
+        if blocks_needed(kmax) <= free:
+            return kmax
+        lo, hi = 1, kmax
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks_needed(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def interrupt(self, now: float) -> float | None:
+        """A request arrived mid-step: end a macro step at the sub-step in flight.
+
+        Returns the new step end if it moved, else None."""
+        m = self._macro
+        if m is None or not self.busy:
+            return None
+        # First sub-step whose end is at or after `now`.
+        lo, hi = 0, m.k - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if m.end_of(mid) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo + 1 >= m.k:
+            return None
+        m.k = lo + 1
+        self.step_end = m.end_of(lo)
+        return self.step_end
+
+    def complete_step(self, now: float) -> StepOutcome:
+        """Apply the step in flight (it ended at `now`)."""
+        assert self.busy
+        self.busy = False
+        self.steps += 1
+        k = self._macro.k if self._macro is not None else 1
+        if self._macro is not None:
+            self.busy_time += now - self._macro.start
+        bs = self.block_size
+        finished: list[SimRequest] = []
+        first: list[SimRequest] = []
+        tokens: list[tuple[SimRequest, int]] = []
+        kv = self.kv
+        for req, n in self._scheduled:
+            if k > 1:
+                # Sub-steps 2..k of a macro: allocate and cache as each would have.
+                total = req.num_computed_tokens + k
+                need = -(-total // bs) - len(req.blocks)
+                if need > 0:
+                    req.blocks.extend(kv.allocate(need))
+                full = min(total, req.num_tokens + k - 1) // bs
+                if full > req.num_cached_blocks:
+                    kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
+                    req.num_cached_blocks = full
+                req.num_computed_tokens += k
+                req.num_output_tokens += k
+                tokens.append((req, k))
+            else:
+                if req.num_computed_tokens < req.num_prompt_tokens or n > 1:
+                    req.prefill_tokens_computed += n
+                req.num_computed_tokens += n
+                if req.num_computed_tokens >= req.num_tokens:
+                    req.num_output_tokens += 1
+                    tokens.append((req, 1))
+                    if req.first_token_time < 0:
+                        req.first_token_time = now
+                        first.append(req)
+            if req.num_output_tokens >= req.max_tokens or req.request_id in self._aborted:
+                req.finish_time = now
+                finished.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for r in finished:
+                kv.free_blocks(r.blocks)
+                r.blocks = []
+                self._aborted.discard(r.request_id)
+        self._scheduled = []
+        self._macro = None
+        return StepOutcome(finished, first, tokens)

@@ -1,0 +1,153 @@
+"""Paged KV blocks with automatic prefix caching, as vLLM v1's BlockPool keeps them.
+
+Blocks have a reference count; a block with count 0 sits in the free queue but keeps its
+hash, so a later request with the same prefix can take it back ("touch") until the
+block is reused for new content (evicted). Allocation takes from the front of the queue
+(least recently freed); a finished request frees its blocks tail first, so a prompt's
+shared head outlives its unique tail.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+EvictedSink = Callable[[list[int]], None]
+StoredSink = Callable[[list[int], int | None], None]
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_stored: StoredSink | None = None,
+        on_removed: EvictedSink | None = None,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("a KV cache needs at least 2 blocks")
+        self.block_size = block_size
+        # Block 0 is vLLM's null block: never allocated, so usable blocks are one fewer.
+        self.num_blocks = num_blocks - 1
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+        # vLLM's prefix-cache counters (tokens), as in its PrefixCacheStats.
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """Cached blocks for the longest cached prefix (at most `max_blocks` blocks)."""
+        out: list[int] = []
+        cached = self.cached
+        for h in block_hashes[:max_blocks]:
+            b = cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def count_hit(self, block_hashes: Sequence[int]) -> int:
+        n = 0
+        cached = self.cached
+        for h in block_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def can_allocate(self, num_new_blocks: int, hit_blocks: Sequence[int]) -> bool:
+        ref = self.ref
+        evictable_hits = sum(1 for b in hit_blocks if ref[b] == 0)
+        return num_new_blocks <= len(self.free) - evictable_hits
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        ref, free = self.ref, self.free
+        for b in blocks:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` fresh blocks; caller checked `can_allocate`. Evicts their old content."""
+        out: list[int] = []
+        evicted: list[int] = []
+        free, ref, hash_of, cached = self.free, self.ref, self.hash_of, self.cached
+        for _ in range(n):
+            b, _none = free.popitem(last=False)
+            h = hash_of[b]
+            if h is not None:
+                hash_of[b] = None
+                if cached.get(h) == b:
+                    del cached[h]
+                    evicted.append(h)
+            ref[b] = 1
+            out.append(b)
+        if evicted and self.on_removed is not None:
+            self.on_removed(evicted)
+        return out
+
+    def free_blocks(self, blocks: Sequence[int]) -> None:
+        """Release a request's blocks, tail first (evicted first)."""
+        ref, free = self.ref, self.free
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+
+    def cache_blocks(
+        self, blocks: Sequence[int], block_hashes: Sequence[int], start: int, end: int
+    ) -> None:
+        """Register blocks [start, end) of a request under their chain hashes."""
+        if end <= start:
+            return
+        stored: list[int] = []
+        hash_of, cached = self.hash_of, self.cached
+        for i in range(start, end):
+            h = block_hashes[i]
+            b = blocks[i]
+            if h in cached:
+                # Same content computed twice concurrently: vLLM keeps both copies; one
+                # entry is enough to serve hits.
+                continue
+            hash_of[b] = h
+            cached[h] = b
+            stored.append(h)
+        if stored and self.on_stored is not None:
+            self.on_stored(stored, block_hashes[start - 1] if start > 0 else None)
+
+    def seed(self, block_hashes: Sequence[int]) -> int:
+        """Install a prefix's KV that arrived from another engine (a transfer).
+
+        The blocks land cached and free at the most-recently-used end, as blocks a
+        connector loaded for a request that has not been scheduled yet. Returns how many
+        leading blocks are now cached here."""
+        n_have = self.count_hit(block_hashes)
+        todo = list(block_hashes[n_have:])
+        todo = todo[: max(0, len(self.free))]
+        if not todo:
+            return n_have
+        blocks = self.allocate(len(todo))
+        for b, h in zip(blocks, todo, strict=True):
+            self.hash_of[b] = h
+            self.cached[h] = b
+        if self.on_stored is not None:
+            self.on_stored(todo, block_hashes[n_have - 1] if n_have else None)
+        self.free_blocks(blocks)
+        return n_have + len(todo)
+
+    def reset(self) -> None:
+        """Drop every cached hash (vLLM's reset_prefix_cache); only legal when idle."""
+        self.cached.clear()
+        self.hash_of = [None] * len(self.hash_of)

@@ -1,0 +1,162 @@
+"""Hardware/model profiles: engine limits and a step-time model for the simulator.
+
+A step's time is linear in the work vLLM batches into it:
+
+    step_s = base + per_prefill_token * P + per_decode_seq * D
+             + per_decode_ctx_token * sum(decode contexts)
+             + per_prefill_attn * sum(chunk_len * context_len)
+
+which is the shape of the fitted models in the literature (Vidur, inference-sim) with a
+quadratic prefill-attention term. Each profile file cites where its numbers come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the file and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    base_s: float
+    per_prefill_token_s: float
+    per_decode_seq_s: float
+    per_decode_ctx_token_s: float
+    per_prefill_attn_s: float  # per (chunk token x context token)
+
+    def step_s(
+        self, prefill_tokens: int, decode_seqs: int, decode_ctx: int, prefill_attn: int
+    ) -> float:
+        return (
+            self.base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_seq_s * decode_seqs
+            + self.per_decode_ctx_token_s * decode_ctx
+            + self.per_prefill_attn_s * prefill_attn
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    block_size: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    step: StepModel
+    long_prefill_token_threshold: int = 0
+    vocab_size: int = 128_256
+    sources: tuple[str, ...] = ()
+
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """Time to prefill `tokens` (of which `cached` are already in KV) alone."""
+        left, done, total = tokens - cached, cached, 0.0
+        while left > 0:
+            chunk = min(left, self.max_num_batched_tokens)
+            total += self.step.step_s(chunk, 0, 0, chunk * (done + chunk))
+            done += chunk
+            left -= chunk
+        return total
+
+    def decode_s(self, context: int, output_tokens: int, batch: int = 1) -> float:
+        """Time to decode `output_tokens` for one request in a batch of `batch`."""
+        ctx = context * batch
+        n = output_tokens
+        return n * self.step.step_s(0, batch, ctx, 0) + self.step.per_decode_ctx_token_s * (
+            batch * n * (n - 1) / 2
+        )
+
+    def request_alone_s(self, prompt_tokens: int, output_tokens: int, cached: int = 0) -> float:
+        """A request's latency on an idle engine (prefill produces the first token)."""
+        return self.prefill_s(prompt_tokens, cached) + self.decode_s(
+            prompt_tokens + 1, max(output_tokens - 1, 0)
+        )
+
+
+_INT_FIELDS = (
+    "block_size",
+    "num_kv_blocks",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "kv_bytes_per_token",
+)
+
+
+def profile_from_dict(data: Any, where: str) -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: a profile must be a mapping")
+    for key in ("name", *_INT_FIELDS, "step"):
+        if key not in data:
+            raise ProfileError(f"{where}: missing field {key!r}")
+    ints: dict[str, int] = {}
+    for key in (*_INT_FIELDS, "long_prefill_token_threshold", "vocab_size"):
+        if key not in data:
+            continue
+        val = data[key]
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ProfileError(f"{where}: {key} must be a non-negative integer, got {val!r}")
+        ints[key] = val
+    for key in _INT_FIELDS:
+        if ints[key] == 0:
+            raise ProfileError(f"{where}: {key} must be positive")
+    step = data["step"]
+    if not isinstance(step, dict):
+        raise ProfileError(f"{where}: step must be a mapping of coefficients")
+    names = [f.name for f in fields(StepModel)]
+    unknown = set(step) - set(names)
+    if unknown:
+        raise ProfileError(f"{where}: unknown step coefficient(s) {sorted(unknown)}")
+    coeffs: dict[str, float] = {}
+    for key in names:
+        val = step.get(key)
+        if isinstance(val, bool) or not isinstance(val, int | float) or val < 0:
+            raise ProfileError(f"{where}: step.{key} must be a number >= 0, got {val!r}")
+        coeffs[key] = float(val)
+    if coeffs["base_s"] <= 0:
+        raise ProfileError(f"{where}: step.base_s must be > 0 (a step is never free)")
+    sources = data.get("sources", [])
+    if not isinstance(sources, list):
+        raise ProfileError(f"{where}: sources must be a list of strings")
+    return Profile(
+        name=str(data["name"]),
+        step=StepModel(**coeffs),
+        sources=tuple(str(s) for s in sources),
+        **ints,
+    )
+
+
+def builtin_profiles() -> list[str]:
+    root = resources.files("engines") / "profiles"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (`llama3-8b-h100`, `tiny-cpu`) or a YAML file."""
+    root = resources.files("engines") / "profiles"
+    builtin = root / f"{name_or_path}.yaml"
+    if builtin.is_file():
+        text, where = builtin.read_text(), f"profile {name_or_path}"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ProfileError(
+                f"unknown profile {name_or_path!r}: not a built-in "
+                f"({', '.join(builtin_profiles())}) and no such file"
+            )
+        text, where = path.read_text(), str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{where}: invalid YAML: {exc}") from exc
+    return profile_from_dict(data, where)

@@ -1,0 +1,113 @@
+"""What a policy reads (a request and the cluster's event-fed state) and what it returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol
+
+from engines.sim.profile import Profile
+from scheduler.prefix_index import PrefixIndex
+from scheduler.state import ClusterState
+from scheduler.workflows import WorkflowRegistry
+
+
+class PlacementKind(StrEnum):
+    REUSE = "reuse"  # the engine already holds part of the prompt's KV
+    TRANSFER = "transfer"  # the prefix KV is moved to the engine before it runs
+    RECOMPUTE = "recompute"  # the whole prompt is prefilled
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the router knows about one request when it places it."""
+
+    request_id: str
+    workflow_id: str
+    node_id: str
+    app: str
+    prompt_tokens: int
+    max_tokens: int
+    block_hashes: Sequence[int]  # chain hashes of the prompt's full blocks
+    arrival_s: float  # when the request reached the router
+    deadline_s: float = float("inf")  # absolute time its workflow must finish by
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOrder:
+    """Move the first `num_blocks` prompt blocks from engine `src` before running."""
+
+    src: int
+    num_blocks: int
+    num_bytes: int
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    engine: int  # slot in ClusterState
+    kind: PlacementKind
+    priority: int = 0  # lower runs first (vLLM priority scheduling)
+    hit_blocks: int = 0  # prompt blocks expected to be reused there (after any transfer)
+    transfer: TransferOrder | None = None
+    estimated_finish_s: float | None = None  # the policy's estimate, for reports
+
+
+class TransferPricer(Protocol):
+    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float: ...
+
+
+@dataclass
+class PolicyContext:
+    """Everything a policy may read. The router owns and feeds these components."""
+
+    state: ClusterState
+    index: PrefixIndex
+    workflows: WorkflowRegistry
+    profile: Profile
+    pricer: TransferPricer | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.profile.block_size
+
+
+class Policy(ABC):
+    """Chooses an engine (and priority, and maybe a transfer) for one request."""
+
+    name: ClassVar[str]
+    params: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        unknown = set(ctx.params) - set(self.params)
+        if unknown:
+            raise ValueError(
+                f"policy {self.name!r}: unknown parameter(s) {sorted(unknown)}; "
+                f"accepted: {sorted(self.params) or 'none'}"
+            )
+        self.ctx = ctx
+        self.p: dict[str, Any] = {**self.params, **ctx.params}
+
+    @abstractmethod
+    def place(self, req: RequestInfo, now: float) -> Placement: ...
+
+    def healthy_slots(self) -> list[int]:
+        loads = self.ctx.state.loads
+        slots = [i for i, load in enumerate(loads) if load.healthy]
+        if not slots:
+            raise NoHealthyEngine("no healthy engine to place the request on")
+        return slots
+
+
+class NoHealthyEngine(RuntimeError):
+    pass
+
+
+def kind_for(hit_blocks: int, transfer: TransferOrder | None = None) -> PlacementKind:
+    if transfer is not None:
+        return PlacementKind.TRANSFER
+    return PlacementKind.REUSE if hit_blocks > 0 else PlacementKind.RECOMPUTE

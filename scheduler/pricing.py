@@ -1,0 +1,28 @@
+"""A link-bandwidth transfer model: the fallback `TransferPricer` when no topology is
+given. Engines sit 8 to a node (NVSwitch inside, one 400G NIC per GPU between nodes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class LinkBandwidthPricer:
+    def __init__(
+        self,
+        engines: Sequence[str],
+        gpus_per_node: int = 8,
+        intra_node_bytes_per_s: float = 450e9,  # NVLink 4 per direction, H100 SXM
+        inter_node_bytes_per_s: float = 50e9,  # 400 Gb/s NIC
+        latency_s: float = 20e-6,
+    ) -> None:
+        self._node = {name: i // gpus_per_node for i, name in enumerate(engines)}
+        self.intra = intra_node_bytes_per_s
+        self.inter = inter_node_bytes_per_s
+        self.latency_s = latency_s
+
+    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float:
+        node = self._node[src]
+        cross = any(self._node[d] != node for d in dsts)
+        bw = self.inter if cross else self.intra
+        # Fan-out to several destinations is pipelined: about one copy plus a hop each.
+        return self.latency_s * len(dsts) + num_bytes / bw

@@ -1,0 +1,43 @@
+"""The one place policy names map to policy classes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.policies.baselines import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session
+from scheduler.policies.wasma import Wasma
+from scheduler.policy import Policy, PolicyContext
+
+PolicyFactory = Callable[[PolicyContext], Policy]
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+class PolicyRegistry:
+    def __init__(self) -> None:
+        self._factories: dict[str, PolicyFactory] = {}
+
+    def register(self, name: str, factory: PolicyFactory) -> None:
+        if name in self._factories:
+            raise ValueError(f"policy {name!r} registered twice")
+        self._factories[name] = factory
+
+    def names(self) -> list[str]:
+        return list(self._factories)
+
+    def create(self, name: str, ctx: PolicyContext) -> Policy:
+        factory = self._factories.get(name)
+        if factory is None:
+            raise UnknownPolicy(
+                f"unknown policy {name!r}; choose from: {', '.join(self._factories)}"
+            )
+        return factory(ctx)
+
+
+def default_registry() -> PolicyRegistry:
+    reg = PolicyRegistry()
+    for cls in (RoundRobin, LeastLoaded, PrefixAware, KVAware, Session, Wasma):
+        reg.register(cls.name, cls)
+    return reg

@@ -1,0 +1,47 @@
+"""The router: asks the policy for a placement and keeps the cluster view current.
+
+The same object runs under every driver (simulator, live gateway); drivers call
+`route` when a request is ready and the `on_*` hooks as engines report progress.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engines.base import KVEvent
+from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
+from scheduler.state import Charge
+
+
+class Router:
+    def __init__(self, ctx: PolicyContext, policy: Policy, keep_decisions: int = 1_000_000):
+        self.ctx = ctx
+        self.policy = policy
+        # Decision latencies (µs), bounded so a long-running server does not grow.
+        self.decision_us: deque[float] = deque(maxlen=keep_decisions)
+
+    def route(self, req: RequestInfo, now: float) -> Placement:
+        t0 = time.perf_counter_ns()
+        placement = self.policy.place(req, now)
+        self.decision_us.append((time.perf_counter_ns() - t0) / 1000)
+        bs = self.ctx.block_size
+        charge = Charge(
+            blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),
+            prefill_tokens=max(req.prompt_tokens - placement.hit_blocks * bs, 0),
+            decode_tokens=req.max_tokens,
+        )
+        self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
+        self.ctx.workflows.mark_submitted(req.workflow_id, req.node_id, placement.engine, now)
+        return placement
+
+    def on_kv_event(self, event: KVEvent) -> None:
+        self.ctx.index.apply(event)
+
+    def on_first_token(self, request_id: str) -> None:
+        self.ctx.state.on_first_token(request_id)
+
+    def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
+        """A request finished; returns the workflow's children that became ready."""
+        self.ctx.state.on_finish(request_id)
+        return self.ctx.workflows.mark_finished(workflow_id, node_id, now)

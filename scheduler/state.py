@@ -1,0 +1,99 @@
+"""Per-engine load as the router sees it: its own counters plus what engines report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engines.base import EngineStats
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """One engine's load. Router-side fields move on dispatch/finish; the `reported_*`
+    fields are the engine's last stats (scraped or event-fed) and may lag."""
+
+    name: str
+    outstanding: int = 0  # requests dispatched and not finished
+    active_blocks: int = 0  # KV blocks the outstanding requests will hold (prompt + output)
+    pending_prefill_tokens: int = 0  # prompt tokens still to prefill (not cached)
+    pending_decode_tokens: int = 0  # output tokens still to generate
+    healthy: bool = True
+    reported_running: int = 0
+    reported_waiting: int = 0
+    reported_kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    dispatched_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What one request adds to an engine's load until it finishes."""
+
+    blocks: int
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class ClusterState:
+    def __init__(self, engines: Sequence[str], num_kv_blocks: int = 0) -> None:
+        self.loads = [EngineLoad(name, num_kv_blocks=num_kv_blocks) for name in engines]
+        self._slot = {name: i for i, name in enumerate(engines)}
+        self._charges: dict[str, tuple[int, Charge]] = {}
+
+    @property
+    def engines(self) -> list[str]:
+        return [load.name for load in self.loads]
+
+    def slot(self, engine: str) -> int:
+        return self._slot[engine]
+
+    def add_engine(self, name: str, num_kv_blocks: int = 0) -> int:
+        if name in self._slot:
+            return self._slot[name]
+        self._slot[name] = len(self.loads)
+        self.loads.append(EngineLoad(name, num_kv_blocks=num_kv_blocks))
+        return self._slot[name]
+
+    def on_dispatch(self, request_id: str, slot: int, charge: Charge) -> None:
+        load = self.loads[slot]
+        load.outstanding += 1
+        load.dispatched_total += 1
+        load.active_blocks += charge.blocks
+        load.pending_prefill_tokens += charge.prefill_tokens
+        load.pending_decode_tokens += charge.decode_tokens
+        self._charges[request_id] = (slot, charge)
+
+    def on_first_token(self, request_id: str) -> None:
+        entry = self._charges.get(request_id)
+        if entry is None:
+            return
+        slot, charge = entry
+        if charge.prefill_tokens:
+            self.loads[slot].pending_prefill_tokens -= charge.prefill_tokens
+            self._charges[request_id] = (slot, Charge(charge.blocks, 0, charge.decode_tokens))
+
+    def on_finish(self, request_id: str) -> None:
+        entry = self._charges.pop(request_id, None)
+        if entry is None:
+            return
+        slot, charge = entry
+        load = self.loads[slot]
+        load.outstanding -= 1
+        load.active_blocks -= charge.blocks
+        load.pending_prefill_tokens -= charge.prefill_tokens
+        load.pending_decode_tokens -= charge.decode_tokens
+
+    def on_stats(self, slot: int, stats: EngineStats) -> None:
+        load = self.loads[slot]
+        load.reported_running = stats.num_running
+        load.reported_waiting = stats.num_waiting
+        load.reported_kv_usage = stats.kv_usage
+        load.num_kv_blocks = stats.num_kv_blocks
+
+    def set_healthy(self, slot: int, healthy: bool) -> None:
+        self.loads[slot].healthy = healthy
+
+    def engine_of(self, request_id: str) -> int | None:
+        entry = self._charges.get(request_id)
+        return entry[0] if entry else None

@@ -1,0 +1,53 @@
+"""The JSONL trace format: one workflow a line (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from scheduler.workflow import Workflow, WorkflowError
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message starts with `file:line:`."""
+
+
+def load_trace(path: str | Path) -> list[Workflow]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from exc
+    workflows: list[Workflow] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
+        try:
+            wf = Workflow.from_dict(data)
+        except WorkflowError as exc:
+            raise TraceError(f"{path}:{lineno}: {exc}") from exc
+        if wf.workflow_id in seen:
+            raise TraceError(
+                f"{path}:{lineno}: workflow id {wf.workflow_id!r} already used on line "
+                f"{seen[wf.workflow_id]}"
+            )
+        seen[wf.workflow_id] = lineno
+        workflows.append(wf)
+    if not workflows:
+        raise TraceError(f"{path}: trace has no workflows")
+    workflows.sort(key=lambda w: w.arrival_s)
+    return workflows
+
+
+def write_trace(path: str | Path, workflows: Iterable[Workflow]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for wf in workflows:
+            f.write(json.dumps(wf.to_dict(), separators=(",", ":")) + "\n")

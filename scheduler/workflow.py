@@ -1,0 +1,338 @@
+"""Workflow DAGs: nodes with prompt segments, output lengths and parents.
+
+A workflow is what one run of a multi-agent application asks of the LLM: a DAG whose
+nodes are requests and whose edges say "starts after". Prompts are built from segments
+(shared text, unique text, an ancestor's output or whole context) so the scheduler can
+tell which requests will share which KV cache before any of them runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from scheduler.tokens import Piece, Span, span_tokens, stream_id
+
+# Bounds that catch generator bugs and hostile input, far above any real model.
+MAX_SEGMENT_TOKENS = 2_000_000
+MAX_OUTPUT_TOKENS = 1_000_000
+MAX_NODES = 10_000
+MAX_ID_LEN = 128
+
+
+class WorkflowError(ValueError):
+    """A workflow that cannot be run; the message names the workflow, node and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """The same `tokens` tokens wherever `key` appears, in any workflow."""
+
+    key: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unique:
+    """Tokens that appear nowhere else."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOf:
+    """The output tokens of an ancestor node."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContextOf:
+    """An ancestor's whole context: its prompt followed by its output."""
+
+    node: str
+
+
+Segment = Shared | Unique | OutputOf | ContextOf
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: str
+    parents: tuple[str, ...]
+    output_tokens: int
+    prompt: tuple[Segment, ...]
+
+
+@dataclass
+class Workflow:
+    """A validated workflow DAG. Build with `Workflow.create`, which checks everything."""
+
+    workflow_id: str
+    app: str
+    arrival_s: float
+    deadline_s: float
+    nodes: dict[str, Node]
+    graph: nx.DiGraph
+    _spans: dict[str, Span] = field(default_factory=dict, repr=False)
+    _order: tuple[str, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        workflow_id: str,
+        app: str,
+        arrival_s: float,
+        deadline_s: float,
+        nodes: Iterable[Node],
+    ) -> Workflow:
+        where = f"workflow {workflow_id!r}"
+        _check_id(workflow_id, "workflow_id", "workflow")
+        if not isinstance(app, str) or len(app) > MAX_ID_LEN:
+            raise WorkflowError(f"{where}: app must be a string of at most {MAX_ID_LEN} chars")
+        if not _finite_nonneg(arrival_s):
+            raise WorkflowError(f"{where}: arrival_s must be a finite number >= 0")
+        if not _finite_nonneg(deadline_s) or deadline_s <= 0:
+            raise WorkflowError(f"{where}: deadline_s must be a finite number > 0")
+        table: dict[str, Node] = {}
+        for node in nodes:
+            _check_id(node.id, "node id", where)
+            if node.id in table:
+                raise WorkflowError(f"{where}: duplicate node id {node.id!r}")
+            table[node.id] = node
+        if not table:
+            raise WorkflowError(f"{where}: has no nodes")
+        if len(table) > MAX_NODES:
+            raise WorkflowError(f"{where}: {len(table)} nodes exceeds the limit of {MAX_NODES}")
+        graph = nx.DiGraph()
+        graph.add_nodes_from(table)
+        for node in table.values():
+            here = f"{where}, node {node.id!r}"
+            if not isinstance(node.output_tokens, int) or not (
+                1 <= node.output_tokens <= MAX_OUTPUT_TOKENS
+            ):
+                raise WorkflowError(
+                    f"{here}: output_tokens must be an integer in [1, {MAX_OUTPUT_TOKENS}], "
+                    f"got {node.output_tokens!r}"
+                )
+            for parent in node.parents:
+                if parent not in table:
+                    raise WorkflowError(f"{here}: unknown parent {parent!r}")
+                if parent == node.id:
+                    raise WorkflowError(f"{here}: lists itself as a parent")
+                graph.add_edge(parent, node.id)
+            if not node.prompt:
+                raise WorkflowError(f"{here}: prompt has no segments")
+        if not nx.is_directed_acyclic_graph(graph):
+            cycle = nx.find_cycle(graph)
+            path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+            raise WorkflowError(f"{where}: dependency cycle {path}")
+        order = tuple(nx.lexicographical_topological_sort(graph, key=list(table).index))
+        for node in table.values():
+            ancestors = nx.ancestors(graph, node.id)
+            for i, seg in enumerate(node.prompt):
+                here = f"{where}, node {node.id!r}, prompt segment {i}"
+                if isinstance(seg, Shared):
+                    if not isinstance(seg.key, str) or not seg.key:
+                        raise WorkflowError(f"{here}: shared key must be a non-empty string")
+                    _check_tokens(seg.tokens, here)
+                elif isinstance(seg, Unique):
+                    _check_tokens(seg.tokens, here)
+                elif isinstance(seg, OutputOf | ContextOf):
+                    if seg.node not in table:
+                        raise WorkflowError(f"{here}: refers to unknown node {seg.node!r}")
+                    if seg.node not in ancestors:
+                        raise WorkflowError(
+                            f"{here}: refers to {seg.node!r}, which is not an ancestor"
+                        )
+                else:
+                    raise WorkflowError(f"{here}: unknown segment {seg!r}")
+        wf = cls(workflow_id, app, float(arrival_s), float(deadline_s), table, graph)
+        wf._order = order
+        return wf
+
+    # -- structure -------------------------------------------------------------------
+    def topo_order(self) -> tuple[str, ...]:
+        return self._order
+
+    def roots(self) -> list[str]:
+        return [n for n in self._order if not self.nodes[n].parents]
+
+    def children(self, node_id: str) -> list[str]:
+        return list(self.graph.successors(node_id))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    # -- prompts ---------------------------------------------------------------------
+    def output_piece(self, node_id: str) -> Piece:
+        return Piece(
+            stream_id("o", self.workflow_id, node_id), 0, self.nodes[node_id].output_tokens
+        )
+
+    def prompt_span(self, node_id: str) -> Span:
+        """The node's prompt as pieces of token streams."""
+        have = self._spans.get(node_id)
+        if have is not None:
+            return have
+        pieces: list[Piece] = []
+        for i, seg in enumerate(self.nodes[node_id].prompt):
+            if isinstance(seg, Shared):
+                pieces.append(Piece(stream_id("s", seg.key), 0, seg.tokens))
+            elif isinstance(seg, Unique):
+                sid = stream_id("u", self.workflow_id, node_id, str(i))
+                pieces.append(Piece(sid, 0, seg.tokens))
+            elif isinstance(seg, OutputOf):
+                pieces.append(self.output_piece(seg.node))
+            else:
+                pieces.extend(self.context_span(seg.node))
+        span = tuple(p for p in pieces if p.length)
+        self._spans[node_id] = span
+        return span
+
+    def context_span(self, node_id: str) -> Span:
+        """The node's prompt followed by its output."""
+        return (*self.prompt_span(node_id), self.output_piece(node_id))
+
+    def prompt_tokens(self, node_id: str) -> int:
+        return span_tokens(self.prompt_span(node_id))
+
+    def critical_path(self, node_cost: Mapping[str, float]) -> float:
+        """Longest path through the DAG, weighting each node by `node_cost`."""
+        finish: dict[str, float] = {}
+        for n in self._order:
+            start = max((finish[p] for p in self.nodes[n].parents), default=0.0)
+            finish[n] = start + node_cost[n]
+        return max(finish.values())
+
+    def remaining_critical_path(self, node_cost: Mapping[str, float]) -> dict[str, float]:
+        """For each node, the longest cost path from its start to the workflow's end."""
+        tail: dict[str, float] = {}
+        for n in reversed(self._order):
+            tail[n] = node_cost[n] + max((tail[c] for c in self.graph.successors(n)), default=0.0)
+        return tail
+
+    # -- (de)serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workflow_id": self.workflow_id,
+            "app": self.app,
+            "arrival_s": self.arrival_s,
+            "deadline_s": self.deadline_s,
+            "nodes": [
+                {
+                    "id": n.id,
+                    "parents": list(n.parents),
+                    "output_tokens": n.output_tokens,
+                    "prompt": [_segment_to_dict(s) for s in n.prompt],
+                }
+                for n in self.nodes.values()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Workflow:
+        if not isinstance(data, dict):
+            raise WorkflowError("a workflow must be a JSON object")
+        wid = data.get("workflow_id")
+        where = f"workflow {wid!r}"
+        for key in ("workflow_id", "nodes"):
+            if key not in data:
+                raise WorkflowError(f"{where}: missing field {key!r}")
+        raw_nodes = data["nodes"]
+        if not isinstance(raw_nodes, list):
+            raise WorkflowError(f"{where}: 'nodes' must be a list")
+        nodes = [_node_from_dict(raw, where, i) for i, raw in enumerate(raw_nodes)]
+        return cls.create(
+            workflow_id=wid,
+            app=data.get("app", "default"),
+            arrival_s=data.get("arrival_s", 0.0),
+            deadline_s=data.get("deadline_s", 3600.0),
+            nodes=nodes,
+        )
+
+
+def _segment_to_dict(seg: Segment) -> dict[str, Any]:
+    if isinstance(seg, Shared):
+        return {"shared": seg.key, "tokens": seg.tokens}
+    if isinstance(seg, Unique):
+        return {"unique": seg.tokens}
+    if isinstance(seg, OutputOf):
+        return {"output": seg.node}
+    return {"context": seg.node}
+
+
+def _segment_from_dict(raw: Any, where: str) -> Segment:
+    if not isinstance(raw, dict):
+        raise WorkflowError(f"{where}: a segment must be an object, got {raw!r}")
+    kinds = [k for k in ("shared", "unique", "output", "context") if k in raw]
+    if len(kinds) != 1:
+        raise WorkflowError(
+            f"{where}: a segment needs exactly one of shared/unique/output/context, got {raw!r}"
+        )
+    kind = kinds[0]
+    extra = set(raw) - {kind, "tokens"} if kind == "shared" else set(raw) - {kind}
+    if extra:
+        raise WorkflowError(f"{where}: unexpected field(s) {sorted(extra)} in {raw!r}")
+    if kind == "shared":
+        if "tokens" not in raw:
+            raise WorkflowError(f"{where}: shared segment {raw['shared']!r} needs 'tokens'")
+        return Shared(raw["shared"], raw["tokens"])
+    if kind == "unique":
+        return Unique(raw["unique"])
+    if not isinstance(raw[kind], str):
+        raise WorkflowError(f"{where}: '{kind}' must name a node")
+    return OutputOf(raw[kind]) if kind == "output" else ContextOf(raw[kind])
+
+
+def _node_from_dict(raw: Any, where: str, index: int) -> Node:
+    if not isinstance(raw, dict):
+        raise WorkflowError(f"{where}, node #{index}: must be an object")
+    nid = raw.get("id")
+    here = f"{where}, node {nid!r}"
+    if "id" not in raw:
+        raise WorkflowError(f"{where}, node #{index}: missing 'id'")
+    parents = raw.get("parents", [])
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise WorkflowError(f"{here}: 'parents' must be a list of node ids")
+    if len(set(parents)) != len(parents):
+        raise WorkflowError(f"{here}: 'parents' lists a node twice")
+    prompt = raw.get("prompt")
+    if not isinstance(prompt, list):
+        raise WorkflowError(f"{here}: 'prompt' must be a list of segments")
+    segs = tuple(
+        _segment_from_dict(s, f"{here}, prompt segment {i}") for i, s in enumerate(prompt)
+    )
+    return Node(
+        id=nid, parents=tuple(parents), output_tokens=raw.get("output_tokens"), prompt=segs
+    )
+
+
+def _check_id(value: Any, what: str, where: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
+        raise WorkflowError(
+            f"{where}: {what} must be a non-empty string of at most {MAX_ID_LEN} chars, "
+            f"got {value!r}"
+        )
+
+
+def _check_tokens(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        0 <= value <= MAX_SEGMENT_TOKENS
+    ):
+        raise WorkflowError(
+            f"{where}: tokens must be an integer in [0, {MAX_SEGMENT_TOKENS}], got {value!r}"
+        )
+
+
+def _finite_nonneg(x: Any) -> bool:
+    return (
+        isinstance(x, int | float)
+        and not isinstance(x, bool)
+        and x == x
+        and x not in (float("inf"),)
+        and x >= 0
+    )

@@ -1,0 +1,114 @@
+"""Workflows in flight: their DAGs, which nodes ran where, and what is left.
+
+The registry is the router's memory of workflows. Nodes arrive as requests (live) or
+from a trace (simulated); either way the registry knows each node's parents, so the
+policy can look ahead at children that will reuse a node's context.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from scheduler.workflow import Workflow
+
+
+@dataclass
+class NodeState:
+    engine: int | None = None
+    submitted_s: float | None = None
+    finished_s: float | None = None
+
+
+@dataclass
+class WorkflowState:
+    workflow: Workflow | None  # None for live workflows known only by their requests
+    workflow_id: str
+    app: str
+    arrival_s: float
+    deadline_s: float  # absolute
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    finished_s: float | None = None
+
+    def node(self, node_id: str) -> NodeState:
+        st = self.nodes.get(node_id)
+        if st is None:
+            st = self.nodes[node_id] = NodeState()
+        return st
+
+    def ready_children(self, node_id: str) -> list[str]:
+        """Children of `node_id` whose parents have all finished."""
+        wf = self.workflow
+        if wf is None:
+            return []
+        out = []
+        for child in wf.children(node_id):
+            parents = wf.nodes[child].parents
+            if all(self.nodes.get(p, NodeState()).finished_s is not None for p in parents):
+                out.append(child)
+        return out
+
+    @property
+    def done(self) -> bool:
+        wf = self.workflow
+        if wf is None:
+            return False
+        return all(
+            (st := self.nodes.get(n)) is not None and st.finished_s is not None for n in wf.nodes
+        )
+
+
+class WorkflowRegistry:
+    """Workflows by id; finished ones are kept for `keep_finished` entries (LRU)."""
+
+    def __init__(self, keep_finished: int = 10_000) -> None:
+        self.active: dict[str, WorkflowState] = {}
+        self.finished: OrderedDict[str, WorkflowState] = OrderedDict()
+        self.keep_finished = keep_finished
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def get(self, workflow_id: str) -> WorkflowState | None:
+        return self.active.get(workflow_id) or self.finished.get(workflow_id)
+
+    def register(self, wf: Workflow, now: float) -> WorkflowState:
+        st = WorkflowState(wf, wf.workflow_id, wf.app, now, now + wf.deadline_s)
+        self.active[wf.workflow_id] = st
+        return st
+
+    def ensure(
+        self, workflow_id: str, app: str, now: float, deadline_s: float = float("inf")
+    ) -> WorkflowState:
+        st = self.active.get(workflow_id)
+        if st is None:
+            st = WorkflowState(None, workflow_id, app, now, now + deadline_s)
+            self.active[workflow_id] = st
+        return st
+
+    def mark_submitted(self, workflow_id: str, node_id: str, engine: int, now: float) -> None:
+        st = self.active.get(workflow_id)
+        if st is not None:
+            ns = st.node(node_id)
+            ns.engine = engine
+            ns.submitted_s = now
+
+    def mark_finished(self, workflow_id: str, node_id: str, now: float) -> list[str]:
+        """Record a node's end; returns children that became ready."""
+        st = self.active.get(workflow_id)
+        if st is None:
+            return []
+        st.node(node_id).finished_s = now
+        ready = st.ready_children(node_id)
+        if st.done:
+            self.close(workflow_id, now)
+        return ready
+
+    def close(self, workflow_id: str, now: float) -> None:
+        st = self.active.pop(workflow_id, None)
+        if st is None:
+            return
+        st.finished_s = now
+        self.finished[workflow_id] = st
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
