@@ -15,7 +15,7 @@ drawn from one seeded generator, so a seed gives the same trace on every machine
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,7 @@ def _n(rng: np.random.Generator, mean: int, spread: float = 0.5) -> int:
     return max(1, int(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
 
 
-def _node(nid: str, parents: list[str], out: int, prompt: list[Segment]) -> Node:
+def _node(nid: str, parents: list[str], out: int, prompt: Sequence[Segment]) -> Node:
     return Node(nid, tuple(parents), out, tuple(prompt))
 
 
@@ -53,8 +53,8 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
         ),
     ]
     engs = []
-    for e in range(engineers):
-        nid = f"eng{e}"
+    for i in range(engineers):
+        nid = f"eng{i}"
         engs.append(nid)
         nodes.append(
             _node(
@@ -74,9 +74,12 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
             review,
             engs,
             _n(rng, 250),
-            [Shared("sys:reviewer", 900), OutputOf("architect")]
-            + [OutputOf(e) for e in engs]
-            + [Unique(_n(rng, 30))],
+            [
+                Shared("sys:reviewer", 900),
+                OutputOf("architect"),
+                *(OutputOf(e) for e in engs),
+                Unique(_n(rng, 30)),
+            ],
         )
     )
     last = {e: e for e in engs}
@@ -197,8 +200,7 @@ def app_specs() -> dict[str, AppSpec]:
 def critical_path_alone_s(wf: Workflow, profile: Profile) -> float:
     """The workflow's critical path with each node run alone on an idle engine."""
     cost = {
-        n: profile.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
-        for n in wf.nodes
+        n: profile.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens) for n in wf.nodes
     }
     return wf.critical_path(cost)
 

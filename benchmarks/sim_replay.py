@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import KVEvent
 from engines.sim.core import SimEngineCore, SimRequest
 from engines.sim.profile import Profile
 from scheduler.policy import PolicyContext, RequestInfo, TransferPricer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 
@@ -247,7 +247,7 @@ class Workflow:
             raise WorkflowError(f"{where}: 'nodes' must be a list")
         nodes = [_node_from_dict(raw, where, i) for i, raw in enumerate(raw_nodes)]
         return cls.create(
-            workflow_id=wid,
+            workflow_id=cast(str, wid),
             app=data.get("app", "default"),
             arrival_s=data.get("arrival_s", 0.0),
             deadline_s=data.get("deadline_s", 3600.0),
@@ -303,11 +303,13 @@ def _node_from_dict(raw: Any, where: str, index: int) -> Node:
     prompt = raw.get("prompt")
     if not isinstance(prompt, list):
         raise WorkflowError(f"{here}: 'prompt' must be a list of segments")
-    segs = tuple(
-        _segment_from_dict(s, f"{here}, prompt segment {i}") for i, s in enumerate(prompt)
-    )
+    segs = tuple(_segment_from_dict(s, f"{here}, prompt segment {i}") for i, s in enumerate(prompt))
+    # Types are checked by Workflow.create, which names the place of any mistake.
     return Node(
-        id=nid, parents=tuple(parents), output_tokens=raw.get("output_tokens"), prompt=segs
+        id=cast(str, nid),
+        parents=tuple(parents),
+        output_tokens=cast(int, raw.get("output_tokens")),
+        prompt=segs,
     )
 
 
@@ -320,8 +322,10 @@ def _check_id(value: Any, what: str, where: str) -> None:
 
 
 def _check_tokens(value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not (
-        0 <= value <= MAX_SEGMENT_TOKENS
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (0 <= value <= MAX_SEGMENT_TOKENS)
     ):
         raise WorkflowError(
             f"{where}: tokens must be an integer in [0, {MAX_SEGMENT_TOKENS}], got {value!r}"

@@ -193,9 +193,7 @@ class SimEngineCore:
             self._aborted.add(request_id)
 
     # -- scheduling ------------------------------------------------------------------
-    def _allocate(
-        self, req: SimRequest, num_new: int, hit_blocks: list[int] | None = None
-    ) -> bool:
+    def _allocate(self, req: SimRequest, num_new: int, hit_blocks: list[int] | None = None) -> bool:
         kv, bs = self.kv, self.block_size
         hits = hit_blocks or []
         total = req.num_computed_tokens + len(hits) * bs + num_new
@@ -270,9 +268,10 @@ class SimEngineCore:
         if not preempted:
             kv, bs = self.kv, self.block_size
             while budget > 0 and len(running) < prof.max_num_seqs:
-                req = self._peek_waiting()
-                if req is None:
+                head = self._peek_waiting()
+                if head is None:
                     break
+                req = head
                 hits: list[int] = []
                 if req.num_computed_tokens == 0:
                     hits = kv.longest_hit(req.block_hashes, (req.num_tokens - 1) // bs)
@@ -344,8 +343,7 @@ class SimEngineCore:
         def blocks_needed(k: int) -> int:
             # After k steps a request has computed c0 + k tokens and needs their blocks.
             return sum(
-                max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks))
-                for r in self.running
+                max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks)) for r in self.running
             )
 
         if blocks_needed(kmax) <= free:

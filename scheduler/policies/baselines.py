@@ -53,9 +53,7 @@ class LeastLoaded(Policy):
         n = len(slots)
         start = self._rotate % n
         self._rotate += 1
-        best = min(
-            (slots[(start + i) % n] for i in range(n)), key=lambda s: loads[s].outstanding
-        )
+        best = min((slots[(start + i) % n] for i in range(n)), key=lambda s: loads[s].outstanding)
         hit = self.ctx.index.match(req.block_hashes)[best]
         return Placement(best, kind_for(hit), hit_blocks=hit)
 

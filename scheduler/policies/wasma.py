@@ -94,7 +94,7 @@ class Wasma(Policy):
             fl.move_to_end(h)
         # Expired entries sit at the front (LRU by last placement).
         while fl:
-            h, (m, e) = next(iter(fl.items()))
+            h, (_m, e) = next(iter(fl.items()))
             if e >= now and len(fl) < 1_000_000:
                 break
             fl.popitem(last=False)
@@ -175,8 +175,10 @@ class Wasma(Policy):
             if load_aware:
                 batch = load.outstanding + 1
                 ctx_tokens = load.active_blocks * bs
-                step = st.base_s + st.per_decode_seq_s * batch + st.per_decode_ctx_token_s * (
-                    ctx_tokens + req.prompt_tokens
+                step = (
+                    st.base_s
+                    + st.per_decode_seq_s * batch
+                    + st.per_decode_ctx_token_s * (ctx_tokens + req.prompt_tokens)
                 )
                 cap = load.num_kv_blocks or prof.num_kv_blocks
                 if load.active_blocks + req_blocks > headroom * cap:

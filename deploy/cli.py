@@ -1,0 +1,252 @@
+"""The `wasma` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+class CLIError(Exception):
+    """A user mistake; printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers like 0.5,1,2, got {text!r}"
+        ) from None
+    if not vals or any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers, got {text!r}")
+    return vals
+
+
+def _name_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of names")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wasma", description="Workflow-aware scheduling for multi-agent LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    trace = sub.add_parser("trace", help="workload traces")
+    tsub = trace.add_subparsers(dest="trace_command", required=True)
+    gen = tsub.add_parser("gen", help="generate a trace of one multi-agent application")
+    gen.add_argument("--app", required=True, choices=["pipeline", "mapreduce", "debate"])
+    gen.add_argument("--workflows", type=_positive_int, required=True)
+    gen.add_argument("--rate", type=_positive_float, required=True, help="workflows per second")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--profile", default="llama3-8b-h100", help="for deadlines")
+    gen.add_argument("--slack", type=_positive_float, default=None, help="deadline factor")
+    gen.add_argument("-o", "--output", required=True)
+
+    b = sub.add_parser("bench", help="simulate traces under policies and loads")
+    b.add_argument("--trace", action="append", required=True, help="repeatable")
+    b.add_argument("--policies", type=_name_list, default=["least_loaded", "wasma"])
+    b.add_argument("--engines", type=_positive_int, default=8)
+    b.add_argument("--profile", default="llama3-8b-h100")
+    b.add_argument("--rates", type=_float_list, default=None, help="rate scales, e.g. 1,1.5,2")
+    b.add_argument("--sweep", action="store_true", help="find each policy's capacity")
+    b.add_argument("--out", required=True)
+    b.add_argument("--workers", type=_positive_int, default=None)
+    b.add_argument("--address", default=None, help="Ray address: run the grid as Ray tasks")
+    b.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="policy parameter, e.g. wasma.transfer=false",
+    )
+
+    rp = sub.add_parser("replay", help="drive a live gateway with a trace")
+    rp.add_argument("--trace", required=True)
+    rp.add_argument("--url", required=True)
+    rp.add_argument("--out", required=True)
+    rp.add_argument("--rate-scale", type=_positive_float, default=1.0)
+    rp.add_argument("--api-key", default=None)
+    rp.add_argument("--model", default=None)
+    rp.add_argument("--label", default="live", help="policy label written into results")
+    rp.add_argument("--vocab-size", type=_positive_int, default=None)
+
+    sv = sub.add_parser("serve", help="run the OpenAI-compatible gateway and router")
+    sv.add_argument("--engines", required=True, help="sim:N | vllm:N | openai:URL[,URL...]")
+    sv.add_argument("--model", default=None, help="model directory (vllm engines)")
+    sv.add_argument("--policy", default="wasma")
+    sv.add_argument("--profile", default=None, help="simulator profile (sim engines)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--config", default=None)
+    sv.add_argument("--address", default=None, help="Ray address of an existing cluster")
+    sv.add_argument("--api-key-file", default=None)
+
+    pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+
+    tm = sub.add_parser("tiny-model", help="write a tiny random Llama for tests and demos")
+    tm.add_argument("dir")
+    return parser
+
+
+def _parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        pol, dot, name = key.partition(".")
+        if not sep or not dot or not pol or not name:
+            raise CLIError(f"--param {item!r}: expected POLICY.KEY=VALUE")
+        value: Any
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out.setdefault(pol, {})[name] = value
+    return out
+
+
+def _cmd_trace_gen(args: argparse.Namespace) -> int:
+    from benchmarks.apps import generate
+    from engines.sim.profile import load_profile
+    from scheduler.trace import write_trace
+
+    profile = load_profile(args.profile)
+    wfs = generate(args.app, args.workflows, args.rate, args.seed, profile, args.slack)
+    write_trace(args.output, wfs)
+    nodes = sum(len(w) for w in wfs)
+    print(f"wrote {len(wfs)} workflows ({nodes} requests) to {args.output}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from benchmarks.bench import bench
+    from benchmarks.report import table
+    from engines.sim.profile import load_profile
+    from scheduler.registry import default_registry
+    from scheduler.trace import load_trace
+
+    if not args.rates and not args.sweep:
+        args.rates = [1.0]
+    known = default_registry().names()
+    for p in args.policies:
+        if p not in known:
+            raise CLIError(f"--policies: unknown policy {p!r}; choose from: {', '.join(known)}")
+    load_profile(args.profile)  # fail fast on a bad profile
+    for t in args.trace:
+        load_trace(t)  # fail fast, with file:line, before spawning workers
+    params = _parse_params(args.param)
+    for pol in params:
+        if pol not in args.policies:
+            raise CLIError(f"--param for {pol!r}, which is not in --policies")
+    results = bench(
+        [str(Path(t)) for t in args.trace],
+        args.policies,
+        args.engines,
+        args.profile,
+        args.rates,
+        args.sweep,
+        args.out,
+        workers=args.workers,
+        ray_address=args.address,
+        params=params,
+    )
+    print(table(results))
+    print(f"results: {Path(args.out) / 'results.json'}; plots: goodput.png, p95_latency.png")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from transfer.cli import plan_main
+
+    return plan_main(list(args.rest))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.serve import serve_main
+
+    return serve_main(args)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from benchmarks.replay import replay_main
+
+    return replay_main(args)
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from engines.tiny_model import write_tiny_model
+
+    path = write_tiny_model(args.dir)
+    print(f"wrote a tiny random Llama to {path} (its text is noise; it exists to exercise vLLM)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from engines.sim.profile import ProfileError
+    from scheduler.registry import UnknownPolicy
+    from scheduler.trace import TraceError
+    from scheduler.workflow import WorkflowError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {
+        "bench": _cmd_bench,
+        "plan": _cmd_plan,
+        "serve": _cmd_serve,
+        "replay": _cmd_replay,
+        "tiny-model": _cmd_tiny_model,
+    }
+    try:
+        if args.command == "trace":
+            return _cmd_trace_gen(args)
+        return handlers[args.command](args)
+    except (CLIError, TraceError, WorkflowError, ProfileError, UnknownPolicy) as exc:
+        print(f"wasma: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"wasma: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"wasma: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
