@@ -6,11 +6,15 @@ drawn from one seeded generator, so a seed gives the same trace on every machine
 
 - pipeline: a software team (product manager -> architect -> engineers -> reviewer, then
   review rounds where engineers revise and the reviewer checks again); long fixed role
-  prompts; each step reads earlier outputs, revisions continue their own context.
-- mapreduce: a planner reads a long document and splits the work; K workers each read
-  the same document plus the plan; a reducer joins their outputs.
-- debate: N agents over R rounds; in each round every agent continues its own context
-  with the previous round's transcript; a judge reads the whole transcript and closes.
+  prompts; engineers continue the architect's conversation, revisions their own.
+- mapreduce: a planner reads the workflow's long document and splits the work; K workers
+  fork the planner's conversation (document + plan) with their part; a reducer joins
+  their outputs.
+- debate: N agents over R rounds on the workflow's topic; in each round every agent
+  continues its own context with the previous round's transcript; a judge reads the
+  whole transcript and closes.
+
+Sizes follow agentic traffic: long inputs, short outputs (tens to a few hundred tokens).
 """
 
 from __future__ import annotations
@@ -44,28 +48,25 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
     engineers = int(rng.integers(2, 4))
     rounds = int(rng.integers(1, 3))
     nodes = [
-        _node("pm", [], _n(rng, 350), [Shared("sys:pm", 1200), Unique(_n(rng, 200))]),
+        _node("pm", [], _n(rng, 300), [Shared("sys:pm", 1500), Unique(_n(rng, 600))]),
         _node(
             "architect",
             ["pm"],
-            _n(rng, 450),
-            [Shared("sys:architect", 1000), OutputOf("pm"), Unique(_n(rng, 40))],
+            _n(rng, 400),
+            [Shared("sys:architect", 1500), ContextOf("pm"), Unique(_n(rng, 40))],
         ),
     ]
     engs = []
     for i in range(engineers):
         nid = f"eng{i}"
         engs.append(nid)
+        # Engineers continue the architect's conversation with their own assignment.
         nodes.append(
             _node(
                 nid,
                 ["architect"],
-                _n(rng, 500),
-                [
-                    Shared("sys:engineer", 900),
-                    ContextOf("architect"),
-                    Unique(_n(rng, 40)),
-                ],
+                _n(rng, 350),
+                [ContextOf("architect"), Shared("sys:engineer", 800), Unique(_n(rng, 40))],
             )
         )
     review = "review0"
@@ -73,9 +74,9 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
         _node(
             review,
             engs,
-            _n(rng, 250),
+            _n(rng, 200),
             [
-                Shared("sys:reviewer", 900),
+                Shared("sys:reviewer", 1500),
                 OutputOf("architect"),
                 *(OutputOf(e) for e in engs),
                 Unique(_n(rng, 30)),
@@ -91,7 +92,7 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
                 _node(
                     nid,
                     [review],
-                    _n(rng, 300),
+                    _n(rng, 250),
                     [ContextOf(last[e]), OutputOf(review), Unique(_n(rng, 20))],
                 )
             )
@@ -102,8 +103,8 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
             _node(
                 nxt,
                 revs,
-                _n(rng, 200),
-                [ContextOf(review)] + [OutputOf(v) for v in revs] + [Unique(_n(rng, 20))],
+                _n(rng, 150),
+                [ContextOf(review), *(OutputOf(v) for v in revs), Unique(_n(rng, 20))],
             )
         )
         review = nxt
@@ -112,39 +113,27 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
 
 def build_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
     k = int(rng.integers(4, 9))
-    doc = f"doc:{int(rng.integers(0, 40))}"
-    doc_len = _n(rng, 3000, 0.4)
     nodes = [
         _node(
             "plan",
             [],
-            _n(rng, 150),
-            [Shared("sys:planner", 900), Shared(doc, doc_len), Unique(_n(rng, 100))],
+            _n(rng, 120),
+            # The user's document is the workflow's own: shared by its nodes only.
+            [Shared("sys:planner", 800), Unique(_n(rng, 6000, 0.4)), Unique(_n(rng, 100))],
         )
     ]
     maps = []
     for i in range(k):
         nid = f"map{i}"
         maps.append(nid)
-        nodes.append(
-            _node(
-                nid,
-                ["plan"],
-                _n(rng, 220),
-                [
-                    Shared("sys:worker", 600),
-                    Shared(doc, doc_len),
-                    OutputOf("plan"),
-                    Unique(_n(rng, 30)),
-                ],
-            )
-        )
+        # Workers fork the planner's conversation (document + plan) with their part.
+        nodes.append(_node(nid, ["plan"], _n(rng, 150), [ContextOf("plan"), Unique(_n(rng, 40))]))
     nodes.append(
         _node(
             "reduce",
             maps,
-            _n(rng, 300),
-            [Shared("sys:reducer", 500)] + [OutputOf(m) for m in maps] + [Unique(_n(rng, 40))],
+            _n(rng, 250),
+            [Shared("sys:reducer", 500), *(OutputOf(m) for m in maps), Unique(_n(rng, 40))],
         )
     )
     return nodes
@@ -153,8 +142,8 @@ def build_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
 def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
     agents = int(rng.integers(3, 5))
     rounds = int(rng.integers(2, 4))
-    topic = f"topic:{int(rng.integers(0, 200))}"
-    topic_len = _n(rng, 1500, 0.4)
+    topic = f"topic:{wid}"
+    topic_len = _n(rng, 3000, 0.4)
     nodes: list[Node] = []
     prev: list[str] = []
     for r in range(rounds):
@@ -172,7 +161,7 @@ def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
                 prompt = [ContextOf(own)]
                 prompt += [OutputOf(p) for p in prev if p != own]
                 prompt.append(Unique(_n(rng, 20)))
-            nodes.append(_node(nid, list(prev), _n(rng, 220), prompt))
+            nodes.append(_node(nid, list(prev), _n(rng, 150), prompt))
             cur.append(nid)
         prev = cur
     everyone = [n.id for n in nodes]
@@ -180,10 +169,13 @@ def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
         _node(
             "judge",
             prev,
-            _n(rng, 250),
-            [Shared("sys:judge", 600), Shared(topic, topic_len)]
-            + [OutputOf(n) for n in everyone]
-            + [Unique(_n(rng, 30))],
+            _n(rng, 200),
+            [
+                Shared("sys:judge", 600),
+                Shared(topic, topic_len),
+                *(OutputOf(n) for n in everyone),
+                Unique(_n(rng, 30)),
+            ],
         )
     )
     return nodes

@@ -129,6 +129,7 @@ class SimReplay:
         self._meta: dict[str, tuple[Workflow, str, str, int]] = {}
         self._left: dict[str, int] = {}
         self._arrival: dict[str, float] = {}
+        self._retained: dict[str, list[tuple[int, list[int]]]] = {}
         self.records: list[RequestRecord] = []
         self.wf_records: list[WorkflowRecord] = []
 
@@ -176,6 +177,9 @@ class SimReplay:
         )
         placement = self.router.route(info, now)
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
+        if placement.retain:
+            self.engines[placement.engine].kv.retain(full)
+            self._retained.setdefault(wf.workflow_id, []).append((placement.engine, full))
         moved = 0
         self._meta[rid] = (wf, node_id, placement.kind.value, 0)
         if placement.transfer is not None and placement.transfer.num_blocks > 0:
@@ -213,6 +217,8 @@ class SimReplay:
         self._left[wf.workflow_id] -= 1
         if self._left[wf.workflow_id] == 0:
             del self._left[wf.workflow_id]
+            for slot_kept, hashes in self._retained.pop(wf.workflow_id, []):
+                self.engines[slot_kept].kv.release(hashes)
             arrival = wf.arrival_s / self.rate_scale
             self.wf_records.append(
                 WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)

@@ -355,7 +355,7 @@ class WasmaMetrics:
     def _label_sets(metric: Counter | Gauge | Histogram) -> Sequence[tuple[str, ...]]:
         # prometheus_client has no public "has labels" query; reading the children keys
         # avoids the KeyError `remove` raises for label sets never set.
-        return list(metric._metrics.keys())
+        return [tuple(key) for key in metric._metrics]
 
     # ---- exposition --------------------------------------------------------------------
 

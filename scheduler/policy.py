@@ -52,6 +52,8 @@ class Placement:
     priority: int = 0  # lower runs first (vLLM priority scheduling)
     hit_blocks: int = 0  # prompt blocks expected to be reused there (after any transfer)
     transfer: TransferOrder | None = None
+    # Keep this request's context KV until its workflow ends: descendants will reuse it.
+    retain: bool = False
     estimated_finish_s: float | None = None  # the policy's estimate, for reports
 
 
@@ -64,12 +66,17 @@ class PolicyContext:
     """Everything a policy may read. The router owns and feeds these components."""
 
     state: ClusterState
-    index: PrefixIndex
+    index: PrefixIndex  # what engines report they hold (KV events)
     workflows: WorkflowRegistry
     profile: Profile
     pricer: TransferPricer | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # Prompts placed but not yet started: their blocks will be on that engine soon.
+    inflight: PrefixIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inflight = PrefixIndex(self.state.engines, max_blocks=1_000_000)
 
     @property
     def block_size(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import accumulate
+from operator import and_
 
 from engines.base import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -41,19 +43,15 @@ class PrefixIndex:
         bit = 1 << slot
         holders = self._holders
         if isinstance(event, BlockStored):
-            added = 0
-            for h in event.block_hashes:
-                mask = holders.get(h)
-                if mask is None:
-                    holders[h] = bit
-                    added += 1
-                else:
-                    if not mask & bit:
-                        added += 1
-                    holders[h] = mask | bit
-                    holders.move_to_end(h)
+            get = holders.get
+            before = len(holders)
+            # Insertion order approximates recency: a hash re-enters at the end only
+            # after every engine dropped it, which keeps stores O(1) without move_to_end.
+            masks = [get(h, 0) for h in event.block_hashes]
+            added = sum(1 for m in masks if not m & bit)
+            holders.update(zip(event.block_hashes, [m | bit for m in masks], strict=True))
             self.blocks_per_engine[slot] += added
-            if len(holders) > self.max_blocks:
+            if len(holders) > self.max_blocks and len(holders) > before:
                 self._trim()
         elif isinstance(event, BlockRemoved):
             removed = 0
@@ -97,22 +95,21 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> list[int]:
         """Longest cached prefix, in blocks, for every engine (index = engine slot).
 
-        O(prompt blocks): walks the chain once, narrowing the set of engines that still
-        match (a bitmask AND per block)."""
+        O(prompt blocks), with the per-block work in C: look up every block's holder
+        mask, AND them cumulatively, and record each engine at the depth its bit
+        disappears."""
         out = [0] * len(self.engines)
-        holders = self._holders
-        active = -1
-        depth = 0
-        for h in block_hashes:
-            mask = holders.get(h, 0) & active
-            if mask != active and depth:
-                self._record(out, active & ~mask, depth)
-            if not mask:
-                return out
-            active = mask
-            depth += 1
-        if depth:
-            self._record(out, active, depth)
+        masks = list(map(self._holders.get, block_hashes))
+        masks = masks[: _index_or_len(masks, None)]
+        acc = list(accumulate(masks, and_))
+        acc = acc[: _index_or_len(acc, 0)]
+        if not acc:
+            return out
+        last = len(acc) - 1
+        # Depths where the set of matching engines shrinks.
+        for d in [i for i in range(last) if acc[i] != acc[i + 1]]:
+            self._record(out, acc[d] & ~acc[d + 1], d + 1)
+        self._record(out, acc[last], last + 1)
         return out
 
     @staticmethod
@@ -125,3 +122,11 @@ class PrefixIndex:
     def holders(self, block_hash: int) -> list[int]:
         mask = self._holders.get(block_hash, 0)
         return [i for i in range(len(self.engines)) if mask >> i & 1]
+
+
+def _index_or_len(items: list[int | None] | list[int], value: int | None) -> int:
+    """Position of the first `value` in `items`, or its length (list.index runs in C)."""
+    try:
+        return items.index(value)  # type: ignore[arg-type]
+    except ValueError:
+        return len(items)

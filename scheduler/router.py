@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engines.base import KVEvent
+from engines.base import BlockRemoved, BlockStored, KVEvent
 from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
 from scheduler.state import Charge
 
@@ -20,6 +20,7 @@ class Router:
         self.policy = policy
         # Decision latencies (µs), bounded so a long-running server does not grow.
         self.decision_us: deque[float] = deque(maxlen=keep_decisions)
+        self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def route(self, req: RequestInfo, now: float) -> Placement:
         t0 = time.perf_counter_ns()
@@ -32,6 +33,11 @@ class Router:
             decode_tokens=req.max_tokens,
         )
         self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
+        name = self.ctx.state.loads[placement.engine].name
+        hashes = tuple(req.block_hashes)
+        if hashes:
+            self._inflight[req.request_id] = (name, hashes)
+            self.ctx.inflight.apply(BlockStored(name, hashes, None))
         self.ctx.workflows.mark_submitted(req.workflow_id, req.node_id, placement.engine, now)
         return placement
 
@@ -40,8 +46,16 @@ class Router:
 
     def on_first_token(self, request_id: str) -> None:
         self.ctx.state.on_first_token(request_id)
+        self._forget_inflight(request_id)
+
+    def _forget_inflight(self, request_id: str) -> None:
+        # Once a request started, the engine's own KV events say where its blocks are.
+        entry = self._inflight.pop(request_id, None)
+        if entry is not None:
+            self.ctx.inflight.apply(BlockRemoved(entry[0], entry[1]))
 
     def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
         """A request finished; returns the workflow's children that became ready."""
         self.ctx.state.on_finish(request_id)
+        self._forget_inflight(request_id)
         return self.ctx.workflows.mark_finished(workflow_id, node_id, now)

@@ -33,6 +33,10 @@ class KVCache:
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # Free blocks whose content a pending request will reuse: evicted only after
+        # every ordinary free block (the retention tier).
+        self.free_retained: OrderedDict[int, None] = OrderedDict()
+        self.retained: dict[int, int] = {}  # chain hash -> holders of the retention
         self.on_stored = on_stored
         self.on_removed = on_removed
         # vLLM's prefix-cache counters (tokens), as in its PrefixCacheStats.
@@ -41,42 +45,42 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.free_retained)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Cached blocks for the longest cached prefix (at most `max_blocks` blocks)."""
-        out: list[int] = []
-        cached = self.cached
-        for h in block_hashes[:max_blocks]:
-            b = cached.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        # map() runs the lookups in C; this is the simulator's hottest loop.
+        found = list(map(self.cached.get, block_hashes[:max_blocks]))
+        try:
+            return found[: found.index(None)]  # type: ignore[return-value]
+        except ValueError:
+            return found  # type: ignore[return-value]
 
     def count_hit(self, block_hashes: Sequence[int]) -> int:
-        n = 0
         cached = self.cached
-        for h in block_hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
+        found = list(map(cached.__contains__, block_hashes))
+        try:
+            return found.index(False)
+        except ValueError:
+            return len(found)
 
     def can_allocate(self, num_new_blocks: int, hit_blocks: Sequence[int]) -> bool:
         ref = self.ref
         evictable_hits = sum(1 for b in hit_blocks if ref[b] == 0)
-        return num_new_blocks <= len(self.free) - evictable_hits
+        return num_new_blocks <= self.num_free - evictable_hits
 
     def touch(self, blocks: Sequence[int]) -> None:
-        ref, free = self.ref, self.free
+        ref, free, kept = self.ref, self.free, self.free_retained
         for b in blocks:
             if ref[b] == 0:
-                del free[b]
+                if b in free:
+                    del free[b]
+                else:
+                    del kept[b]
             ref[b] += 1
 
     def allocate(self, n: int) -> list[int]:
@@ -84,8 +88,9 @@ class KVCache:
         out: list[int] = []
         evicted: list[int] = []
         free, ref, hash_of, cached = self.free, self.ref, self.hash_of, self.cached
+        kept = self.free_retained
         for _ in range(n):
-            b, _none = free.popitem(last=False)
+            b, _none = free.popitem(last=False) if free else kept.popitem(last=False)
             h = hash_of[b]
             if h is not None:
                 hash_of[b] = None
@@ -101,10 +106,45 @@ class KVCache:
     def free_blocks(self, blocks: Sequence[int]) -> None:
         """Release a request's blocks, tail first (evicted first)."""
         ref, free = self.ref, self.free
+        retained = self.retained
+        if retained:
+            hash_of, kept = self.hash_of, self.free_retained
+            for b in reversed(blocks):
+                ref[b] -= 1
+                if ref[b] == 0:
+                    if hash_of[b] in retained:
+                        kept[b] = None
+                    else:
+                        free[b] = None
+            return
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
                 free[b] = None
+
+    def retain(self, block_hashes: Sequence[int]) -> None:
+        """Keep these blocks, once free, behind every ordinary free block."""
+        retained, cached, ref = self.retained, self.cached, self.ref
+        for h in block_hashes:
+            retained[h] = retained.get(h, 0) + 1
+            b = cached.get(h)
+            if b is not None and ref[b] == 0 and b in self.free:
+                del self.free[b]
+                self.free_retained[b] = None
+
+    def release(self, block_hashes: Sequence[int]) -> None:
+        """Undo one `retain` of these blocks; free ones rejoin the ordinary queue."""
+        retained, cached = self.retained, self.cached
+        for h in block_hashes:
+            n = retained.get(h, 0) - 1
+            if n > 0:
+                retained[h] = n
+                continue
+            retained.pop(h, None)
+            b = cached.get(h)
+            if b is not None and b in self.free_retained:
+                del self.free_retained[b]
+                self.free[b] = None
 
     def cache_blocks(
         self, blocks: Sequence[int], block_hashes: Sequence[int], start: int, end: int
@@ -112,20 +152,19 @@ class KVCache:
         """Register blocks [start, end) of a request under their chain hashes."""
         if end <= start:
             return
-        stored: list[int] = []
         hash_of, cached = self.hash_of, self.cached
-        for i in range(start, end):
-            h = block_hashes[i]
-            b = blocks[i]
-            if h in cached:
-                # Same content computed twice concurrently: vLLM keeps both copies; one
-                # entry is enough to serve hits.
-                continue
+        hs = block_hashes[start:end]
+        bs = blocks[start:end]
+        # Same content computed twice concurrently: vLLM keeps both copies and one map
+        # entry suffices to serve hits, so only new hashes are registered.
+        fresh = [(h, b) for h, b in zip(hs, bs) if h not in cached]
+        if not fresh:
+            return
+        for h, b in fresh:
             hash_of[b] = h
-            cached[h] = b
-            stored.append(h)
-        if stored and self.on_stored is not None:
-            self.on_stored(stored, block_hashes[start - 1] if start > 0 else None)
+        cached.update(fresh)
+        if self.on_stored is not None:
+            self.on_stored([h for h, _ in fresh], block_hashes[start - 1] if start > 0 else None)
 
     def seed(self, block_hashes: Sequence[int]) -> int:
         """Install a prefix's KV that arrived from another engine (a transfer).
@@ -135,7 +174,7 @@ class KVCache:
         leading blocks are now cached here."""
         n_have = self.count_hit(block_hashes)
         todo = list(block_hashes[n_have:])
-        todo = todo[: max(0, len(self.free))]
+        todo = todo[: self.num_free]
         if not todo:
             return n_have
         blocks = self.allocate(len(todo))

@@ -21,7 +21,6 @@ What makes that estimate workflow-aware:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, ClassVar
 
 from scheduler.policy import (
@@ -32,6 +31,7 @@ from scheduler.policy import (
     RequestInfo,
     TransferOrder,
 )
+from scheduler.workflow import ContextOf
 from scheduler.workflows import WorkflowState
 
 # Priority classes: vLLM runs lower numbers first.
@@ -42,12 +42,15 @@ _PRIORITY_STEP_S = 0.05
 class Wasma(Policy):
     name = "wasma"
     params: ClassVar[dict[str, Any]] = {
-        "colocate": True,  # in-flight overlay: siblings see each other's prefixes
+        "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
         "priority": True,  # slack-ordered priority
         "load_aware": True,  # count queued work; off = pure cache affinity
         "hopeless": True,  # demote workflows that cannot meet their deadline
-        "inflight_ttl_s": 30.0,
+        "retain": True,  # ask engines to keep context that descendants will reuse
+        # Weight of the delay a placement imposes on requests already on the engine: its
+        # prefill stalls their decodes, its decode slows their steps. 0 = selfish.
+        "externality": 1.0,
         "kv_headroom": 0.92,  # fraction of KV blocks beyond which preemption is likely
         "min_transfer_gain_s": 0.002,
     }
@@ -60,68 +63,39 @@ class Wasma(Policy):
         # Per-token prefill cost with the step overhead amortised over a full chunk.
         self._c_prefill = st.per_prefill_token_s + st.base_s / prof.max_num_batched_tokens
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
-        # hash -> (engine bitmask, expiry time): prompts placed but not yet reported.
-        self._inflight: OrderedDict[int, tuple[int, float]] = OrderedDict()
-        self._cp_cache: dict[str, dict[str, float]] = {}
+        self._cp_cache: dict[str, tuple[dict[str, float], frozenset[str]]] = {}
 
-    # -- estimates -------------------------------------------------------------------
-    def _inflight_match(self, hashes: Any, now: float) -> list[int]:
-        n = len(self.ctx.state.loads)
-        out = [0] * n
-        fl = self._inflight
-        active, depth = -1, 0
-        for h in hashes:
-            entry = fl.get(h)
-            if entry is None or entry[1] < now:
-                break
-            mask = entry[0] & active
-            if not mask:
-                break
-            if mask != active and depth:
-                _spread(out, active & ~mask, depth)
-            active, depth = mask, depth + 1
-        if depth:
-            _spread(out, active, depth)
-        return out
-
-    def _remember(self, hashes: Any, slot: int, now: float) -> None:
-        fl = self._inflight
-        bit = 1 << slot
-        exp = now + self.p["inflight_ttl_s"]
-        for h in hashes:
-            entry = fl.get(h)
-            fl[h] = (bit | (entry[0] if entry and entry[1] >= now else 0), exp)
-            fl.move_to_end(h)
-        # Expired entries sit at the front (LRU by last placement).
-        while fl:
-            h, (_m, e) = next(iter(fl.items()))
-            if e >= now and len(fl) < 1_000_000:
-                break
-            fl.popitem(last=False)
-
-    def _remaining_cp(self, wst: WorkflowState | None, node_id: str) -> float | None:
+    # -- workflow lookahead ----------------------------------------------------------
+    def _lookahead(self, wst: WorkflowState | None) -> tuple[dict[str, float], frozenset[str]]:
+        """(remaining critical path per node, nodes whose context a descendant reuses)."""
         if wst is None or wst.workflow is None:
-            return None
-        cp = self._cp_cache.get(wst.workflow_id)
-        if cp is None:
-            wf = wst.workflow
-            prof = self.ctx.profile
-            cost = {
-                n: prof.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
-                for n in wf.nodes
-            }
-            cp = wf.remaining_critical_path(cost)
-            self._cp_cache[wst.workflow_id] = cp
-            if len(self._cp_cache) > 100_000:
-                self._cp_cache.pop(next(iter(self._cp_cache)))
-        return cp.get(node_id)
+            return {}, frozenset()
+        have = self._cp_cache.get(wst.workflow_id)
+        if have is not None:
+            return have
+        wf = wst.workflow
+        prof = self.ctx.profile
+        cost = {
+            n: prof.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
+            for n in wf.nodes
+        }
+        reused = frozenset(
+            seg.node
+            for node in wf.nodes.values()
+            for seg in node.prompt
+            if isinstance(seg, ContextOf)
+        )
+        have = (wf.remaining_critical_path(cost), reused)
+        self._cp_cache[wst.workflow_id] = have
+        if len(self._cp_cache) > 100_000:
+            self._cp_cache.pop(next(iter(self._cp_cache)))
+        return have
 
-    def _priority(self, req: RequestInfo, now: float) -> int:
+    def _priority(self, req: RequestInfo, rem: float | None, now: float) -> int:
         if not self.p["priority"]:
             return 0
-        wst = self.ctx.workflows.get(req.workflow_id)
-        rem = self._remaining_cp(wst, req.node_id)
         if rem is None or req.deadline_s == float("inf"):
+            # No deadline or no DAG: behind every request that has a deadline to meet.
             return _HOPELESS // 2
         slack = req.deadline_s - now - rem
         if self.p["hopeless"] and slack < 0:
@@ -137,63 +111,66 @@ class Wasma(Policy):
         st = prof.step
         loads = ctx.state.loads
         hashes = req.block_hashes
-        hits = ctx.index.match(hashes)
+        real = ctx.index.match(hashes)
+        hits = real
         if p["colocate"]:
-            fl = self._inflight_match(hashes, now)
-            hits = [max(a, b) for a, b in zip(hits, fl, strict=True)]
+            hits = [max(a, b) for a, b in zip(real, ctx.inflight.match(hashes), strict=True)]
         slots = self.healthy_slots()
-        best_holder = max(slots, key=lambda s: hits[s])
-        max_hit = hits[best_holder]
-        n_blocks = len(hashes)
+        holder = max(slots, key=real.__getitem__)
+        max_real = real[holder]
         req_blocks = -(-(req.prompt_tokens + req.max_tokens) // bs)
         load_aware = p["load_aware"]
-        headroom = p["kv_headroom"]
+        can_move = p["transfer"] and ctx.pricer is not None and max_real > 0
+        cap_limit = p["kv_headroom"]
         c_pre = self._c_prefill
-        best: tuple[float, int, int, TransferOrder | None] | None = None
+        attn = st.per_prefill_attn_s * req.prompt_tokens
+        ext_w = p["externality"]
+        step_inc = st.per_decode_seq_s + st.per_decode_ctx_token_s * req.prompt_tokens
+        best_key: tuple[float, int] | None = None
+        best: tuple[float, int, int, TransferOrder | None] = (0.0, slots[0], 0, None)
         for s in slots:
             load = loads[s]
             hit = hits[s]
-            transfer: TransferOrder | None = None
             queued = load.pending_prefill_tokens * c_pre if load_aware else 0.0
             uncached = req.prompt_tokens - hit * bs
-            if (
-                p["transfer"]
-                and ctx.pricer is not None
-                and max_hit > hit
-                and ctx.index.match(hashes)[best_holder] == max_hit
-            ):
-                extra = max_hit - hit
+            transfer: TransferOrder | None = None
+            if can_move and max_real > hit:
+                extra = max_real - hit
                 nbytes = extra * self._kv_bytes_per_block
-                t = ctx.pricer.estimate_s(loads[best_holder].name, [load.name], nbytes)
+                assert ctx.pricer is not None
+                t = ctx.pricer.estimate_s(loads[holder].name, [load.name], nbytes)
+                # The copy overlaps the request's wait in the queue; only the rest shows.
                 exposed = max(0.0, t - queued)
-                gain = extra * bs * c_pre
-                if gain - exposed > p["min_transfer_gain_s"]:
-                    transfer = TransferOrder(best_holder, max_hit, nbytes, t)
-                    uncached = req.prompt_tokens - max_hit * bs
+                if extra * bs * (c_pre + attn) - exposed > p["min_transfer_gain_s"]:
+                    transfer = TransferOrder(holder, max_real, nbytes, t)
+                    uncached = req.prompt_tokens - max_real * bs
                     queued += exposed
-            prefill = uncached * c_pre + st.per_prefill_attn_s * uncached * req.prompt_tokens
+            prefill = uncached * (c_pre + attn)
+            others = 0.0
             if load_aware:
-                batch = load.outstanding + 1
-                ctx_tokens = load.active_blocks * bs
                 step = (
                     st.base_s
-                    + st.per_decode_seq_s * batch
-                    + st.per_decode_ctx_token_s * (ctx_tokens + req.prompt_tokens)
+                    + st.per_decode_seq_s * (load.outstanding + 1)
+                    + st.per_decode_ctx_token_s * (load.active_blocks * bs + req.prompt_tokens)
                 )
                 cap = load.num_kv_blocks or prof.num_kv_blocks
-                if load.active_blocks + req_blocks > headroom * cap:
-                    # Likely preemption: the engine recomputes someone; charge a full prefill.
+                if load.active_blocks + req_blocks > cap_limit * cap:
+                    # Likely preemption: someone's prefill is recomputed; charge it.
                     queued += req.prompt_tokens * c_pre * 2
+                # Everyone already there waits for this prefill and decodes a bit slower
+                # while this request decodes beside them.
+                others = load.outstanding * (prefill + req.max_tokens * step_inc)
             else:
                 step = st.base_s
-            est = queued + prefill + req.max_tokens * step
-            key = (est, s, hit if transfer is None else max_hit, transfer)
-            if best is None or (est, load.outstanding) < (best[0], loads[best[1]].outstanding):
-                best = key
-        assert best is not None
+            own = queued + prefill + req.max_tokens * step
+            est = own + ext_w * others
+            key = (est, load.outstanding)
+            if best_key is None or key < best_key:
+                best_key = key
+                best = (own, s, max_real if transfer is not None else hit, transfer)
         est, slot, hit, transfer = best
-        if p["colocate"]:
-            self._remember(hashes, slot, now)
+        wst = ctx.workflows.get(req.workflow_id)
+        remaining, reused = self._lookahead(wst)
         kind = (
             PlacementKind.TRANSFER
             if transfer is not None
@@ -202,15 +179,9 @@ class Wasma(Policy):
         return Placement(
             engine=slot,
             kind=kind,
-            priority=self._priority(req, now),
-            hit_blocks=min(hit, n_blocks),
+            priority=self._priority(req, remaining.get(req.node_id), now),
+            hit_blocks=hit,
             transfer=transfer,
+            retain=bool(p["retain"]) and req.node_id in reused,
             estimated_finish_s=now + est,
         )
-
-
-def _spread(out: list[int], mask: int, depth: int) -> None:
-    while mask:
-        low = mask & -mask
-        out[low.bit_length() - 1] = depth
-        mask ^= low
