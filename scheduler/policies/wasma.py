@@ -53,6 +53,9 @@ class Wasma(Policy):
         "externality": 1.0,
         "kv_headroom": 0.92,  # fraction of KV blocks beyond which preemption is likely
         "min_transfer_gain_s": 0.002,
+        # Above this many engines, score the prefix holders plus a rotating sample of
+        # this many others (power-of-d choices) so a decision stays O(d), not O(N).
+        "max_candidates": 64,
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -64,6 +67,7 @@ class Wasma(Policy):
         self._c_prefill = st.per_prefill_token_s + st.base_s / prof.max_num_batched_tokens
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
         self._cp_cache: dict[str, tuple[dict[str, float], frozenset[str]]] = {}
+        self._rotate = 0
 
     # -- workflow lookahead ----------------------------------------------------------
     def _lookahead(self, wst: WorkflowState | None) -> tuple[dict[str, float], frozenset[str]]:
@@ -112,12 +116,25 @@ class Wasma(Policy):
         loads = ctx.state.loads
         hashes = req.block_hashes
         real = ctx.index.match(hashes)
-        hits = real
-        if p["colocate"]:
-            hits = [max(a, b) for a, b in zip(real, ctx.inflight.match(hashes), strict=True)]
         slots = self.healthy_slots()
         holder = max(slots, key=real.__getitem__)
         max_real = real[holder]
+        hits = real
+        if p["colocate"]:
+            # Prompts placed but not started count where no engine holds the prefix yet
+            # (siblings sharing a head that nobody computed): there, going together is
+            # the only way to compute it once. Where an engine holds it, a transfer can
+            # supply the others and they are free to spread.
+            fl = ctx.inflight.match(hashes)
+            if max(fl) > max_real:
+                hits = [max(a, b) for a, b in zip(real, fl, strict=True)]
+        d = p["max_candidates"]
+        if len(slots) > d:
+            holders = [s for s in slots if hits[s]]
+            start = self._rotate % len(slots)
+            self._rotate += d
+            window = (slots + slots)[start : start + d]
+            slots = list(dict.fromkeys(holders + window))
         req_blocks = -(-(req.prompt_tokens + req.max_tokens) // bs)
         load_aware = p["load_aware"]
         can_move = p["transfer"] and ctx.pricer is not None and max_real > 0

@@ -1,0 +1,244 @@
+"""`make bench`: the wasma policy's targets, measured side by side in one run.
+
+For each app (pipeline, mapreduce, debate) on 8 simulated engines of a profile:
+1. capacity sweeps (highest rate scale with attainment >= 0.9) for every policy;
+2. every policy at 1x, 1.5x and 2x the rate where least_loaded attains 90%;
+3. an ablation: wasma with each mechanism off in turn, at 1.5x that rate;
+4. decision latency at 64 engines with 100k indexed blocks and at 1,024 engines.
+Writes DIR/targets.json, DIR/targets.md (the tables in the README) and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.apps import generate
+from benchmarks.bench import CapacitySearch, Runner, RunSpec
+from benchmarks.metrics import percentile
+from benchmarks.report import plot_results
+from engines.base import BlockStored
+from engines.sim.profile import load_profile
+from scheduler.policy import PolicyContext, RequestInfo
+from scheduler.prefix_index import PrefixIndex
+from scheduler.pricing import LinkBandwidthPricer
+from scheduler.registry import default_registry
+from scheduler.state import Charge, ClusterState
+from scheduler.trace import write_trace
+from scheduler.workflows import WorkflowRegistry
+
+APPS = ("pipeline", "mapreduce", "debate")
+POLICIES = ("round_robin", "least_loaded", "session", "prefix_aware", "kv_aware", "wasma")
+SWEPT = ("least_loaded", "prefix_aware", "kv_aware", "wasma")
+ABLATIONS = ("colocate", "transfer", "priority", "retain", "hopeless", "load_aware")
+
+
+def sweep(
+    runner: Runner, specs: list[tuple[str, str]], engines: int, profile: str, bar: tqdm
+) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
+    searches = {key: CapacitySearch(*key) for key in specs}
+    rows: list[dict[str, Any]] = []
+    inflight: dict[Any, CapacitySearch] = {}
+
+    def launch(s: CapacitySearch) -> None:
+        assert s.next_scale is not None
+        inflight[runner.submit(RunSpec(s.trace, s.policy, s.next_scale, engines, profile))] = s
+
+    for s in searches.values():
+        launch(s)
+    while inflight:
+        done, _ = runner.wait_any(list(inflight))
+        for h in done:
+            s = inflight.pop(h)
+            row = runner.result(h)
+            row["sweep"] = True
+            rows.append(row)
+            bar.update(1)
+            s.report(row["rate_scale"], row["deadline_attainment"])
+            if s.next_scale is not None:
+                launch(s)
+    return {k: s.lo for k, s in searches.items()}, rows
+
+
+def decision_latency(engines: int, blocks: int, requests: int = 2000) -> dict[str, float]:
+    """p50/p99 µs of one wasma decision with `blocks` indexed blocks over `engines`."""
+    profile = load_profile("llama3-8b-h100")
+    names = [f"e{i}" for i in range(engines)]
+    state = ClusterState(names, profile.num_kv_blocks - 1)
+    ctx = PolicyContext(
+        state=state,
+        index=PrefixIndex(names, max_blocks=max(blocks * 2, 1)),
+        workflows=WorkflowRegistry(),
+        profile=profile,
+        pricer=LinkBandwidthPricer(names),
+    )
+    policy = default_registry().create("wasma", ctx)
+    rng = random.Random(0)
+    # Prefixes of 256 blocks (4k tokens), each on a couple of engines.
+    chains: list[list[int]] = []
+    stored = 0
+    while stored < blocks:
+        base = rng.getrandbits(62)
+        chain = [hash((base, i)) for i in range(256)]
+        chains.append(chain)
+        for e in rng.sample(names, min(2, engines)):
+            ctx.index.apply(BlockStored(e, tuple(chain), None))
+        stored += 256
+    for i in range(len(state.loads)):
+        state.on_dispatch(f"bg{i}", i, Charge(rng.randint(0, 4000), rng.randint(0, 9000), 100))
+    lat: list[float] = []
+    for r in range(requests):
+        chain = rng.choice(chains)
+        hashes = chain[: rng.randint(64, 256)] + [rng.getrandbits(62) for _ in range(16)]
+        req = RequestInfo(f"r{r}", f"w{r}", "n", "app", len(hashes) * 16, 200, hashes, 0.0)
+        t0 = time.perf_counter_ns()
+        policy.place(req, 0.0)
+        lat.append((time.perf_counter_ns() - t0) / 1000)
+    return {"p50_us": percentile(lat, 50), "p99_us": percentile(lat, 99)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="out/bench")
+    ap.add_argument("--workflows", type=int, default=400)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--profile", default="llama3-8b-h100")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--address", default=None, help="Ray address to run the grid on")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(args.profile)
+    traces = {}
+    for app in APPS:
+        path = out / f"{app}.jsonl"
+        write_trace(path, generate(app, args.workflows, 1.0, seed=7, profile=profile))
+        traces[app] = str(path)
+    total = len(APPS) * (len(SWEPT) * 8 + 3 * len(POLICIES) + len(ABLATIONS) + 1)
+    bar = tqdm(total=total, desc="make bench", unit="run")
+    runs: list[dict[str, Any]] = []
+    with Runner(args.workers, args.address) as runner:
+        caps, rows = sweep(
+            runner,
+            [(traces[a], p) for a in APPS for p in SWEPT],
+            args.engines,
+            profile.name,
+            bar,
+        )
+        runs += rows
+        specs: list[RunSpec] = []
+        for app in APPS:
+            knee = caps[(traces[app], "least_loaded")]
+            for mult in (1.0, 1.5, 2.0):
+                for pol in POLICIES:
+                    specs.append(RunSpec(traces[app], pol, knee * mult, args.engines, profile.name))
+            specs.append(RunSpec(traces[app], "wasma", knee * 1.5, args.engines, profile.name))
+            for mech in ABLATIONS:
+                specs.append(
+                    RunSpec(
+                        traces[app],
+                        "wasma",
+                        knee * 1.5,
+                        args.engines,
+                        profile.name,
+                        {mech: False},
+                    )
+                )
+        runs += runner.run_all(specs, lambda _row: bar.update(1))
+    bar.close()
+    capacity: dict[str, dict[str, float]] = {Path(t).name: {} for t in traces.values()}
+    for (t, p), v in caps.items():
+        capacity[Path(t).name][p] = v
+    decisions = {
+        "64_engines_100k_blocks": decision_latency(64, 100_000),
+        "1024_engines_100k_blocks": decision_latency(1024, 100_000, requests=500),
+    }
+    results = {"runs": runs, "capacity": capacity, "decision_latency": decisions}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot_results(
+        {"runs": [r for r in runs if not r.get("sweep") and not r.get("params")]}, out
+    )
+    md = targets_markdown(results, traces)
+    (out / "targets.md").write_text(md)
+    print(md)
+    return 0
+
+
+def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
+    runs = results["runs"]
+    cap = results["capacity"]
+    lines = ["### Targets (8 engines, llama3-8b-h100)", ""]
+    lines.append(
+        "| app | rate (x LL knee) | P95 wasma / least_loaded | goodput wasma / least_loaded "
+        "| attainment LL | attainment wasma |"
+    )
+    lines.append("|---|---|---|---|---|---|")
+    for app, path in traces.items():
+        name = Path(path).name
+        knee = cap[name]["least_loaded"]
+        for mult in (1.0, 1.5, 2.0):
+            row = {
+                r["policy"]: r
+                for r in runs
+                if r["trace"] == name
+                and not r.get("sweep")
+                and not r.get("params")
+                and abs(r["rate_scale"] - knee * mult) < 1e-9
+            }
+            ll, wa = row["least_loaded"], row["wasma"]
+            lines.append(
+                f"| {app} | {mult:g}x ({knee * mult:.3g}) "
+                f"| {wa['p95_workflow_s'] / ll['p95_workflow_s']:.2f} "
+                f"| {wa['goodput_wf_per_s'] / max(ll['goodput_wf_per_s'], 1e-9):.2f} "
+                f"| {ll['deadline_attainment']:.3f} | {wa['deadline_attainment']:.3f} |"
+            )
+    lines += ["", "| app | " + " | ".join(SWEPT) + " | wasma / best KV-aware peer |"]
+    lines.append("|---|" + "---|" * (len(SWEPT) + 1))
+    for app, path in traces.items():
+        c = cap[Path(path).name]
+        best_peer = max(c["prefix_aware"], c["kv_aware"])
+        lines.append(
+            f"| {app} | "
+            + " | ".join(f"{c[p]:.3g}" for p in SWEPT)
+            + f" | {c['wasma'] / best_peer:.2f} |"
+        )
+    lines += ["", "### Ablation (wasma at 1.5x the least_loaded knee; each mechanism off)", ""]
+    lines.append("| app | variant | attainment | goodput wf/s | P95 workflow s | prefix hit |")
+    lines.append("|---|---|---|---|---|---|")
+    for app, path in traces.items():
+        name = Path(path).name
+        knee = cap[name]["least_loaded"]
+        for r in runs:
+            if (
+                r["trace"] == name
+                and r["policy"] == "wasma"
+                and not r.get("sweep")
+                and abs(r["rate_scale"] - knee * 1.5) < 1e-9
+            ):
+                label = "all on" if not r.get("params") else f"no {next(iter(r['params']))}"
+                lines.append(
+                    f"| {app} | {label} | {r['deadline_attainment']:.3f} "
+                    f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "
+                    f"| {r['prefix_hit_ratio']:.3f} |"
+                )
+    d = results["decision_latency"]
+    lines += [
+        "",
+        "### Decision latency (wasma)",
+        "",
+        "| setting | p50 µs | p99 µs |",
+        "|---|---|---|",
+    ]
+    for k, v in d.items():
+        lines.append(f"| {k.replace('_', ' ')} | {v['p50_us']:.0f} | {v['p99_us']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
