@@ -174,6 +174,7 @@ class SimReplay:
             block_hashes=full[: prompt_tokens // bs],
             arrival_s=now,
             deadline_s=deadline,
+            parents=wf.nodes[node_id].parents,
         )
         placement = self.router.route(info, now)
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 from engines.sim.profile import Profile
+from scheduler.app_shapes import AppShapes
 from scheduler.prefix_index import PrefixIndex
 from scheduler.state import ClusterState
 from scheduler.workflows import WorkflowRegistry
@@ -33,6 +34,7 @@ class RequestInfo:
     block_hashes: Sequence[int]  # chain hashes of the prompt's full blocks
     arrival_s: float  # when the request reached the router
     deadline_s: float = float("inf")  # absolute time its workflow must finish by
+    parents: tuple[str, ...] = ()  # node ids this request waited for
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +76,13 @@ class PolicyContext:
     seed: int = 0
     # Prompts placed but not yet started: their blocks will be on that engine soon.
     inflight: PrefixIndex = field(init=False)
+    # Learned workflow shapes per app, for workflows that arrive without a DAG.
+    shapes: AppShapes = field(default_factory=AppShapes)
 
     def __post_init__(self) -> None:
         self.inflight = PrefixIndex(self.state.engines, max_blocks=1_000_000)
+        if self.workflows.on_close is None:
+            self.workflows.on_close = self.shapes.observe
 
     @property
     def block_size(self) -> int:

@@ -38,7 +38,9 @@ class Router:
         if hashes:
             self._inflight[req.request_id] = (name, hashes)
             self.ctx.inflight.apply(BlockStored(name, hashes, None))
-        self.ctx.workflows.mark_submitted(req.workflow_id, req.node_id, placement.engine, now)
+        self.ctx.workflows.mark_submitted(
+            req.workflow_id, req.node_id, placement.engine, now, req.block_hashes, req.parents
+        )
         return placement
 
     def on_kv_event(self, event: KVEvent) -> None:

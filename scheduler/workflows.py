@@ -8,6 +8,7 @@ policy can look ahead at children that will reuse a node's context.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.workflow import Workflow
@@ -18,6 +19,9 @@ class NodeState:
     engine: int | None = None
     submitted_s: float | None = None
     finished_s: float | None = None
+    prompt_blocks: int = 0
+    last_prompt_hash: int | None = None  # chain hash of the prompt's last full block
+    context_reused: bool = False  # a later node's prompt extended this node's context
 
 
 @dataclass
@@ -61,10 +65,15 @@ class WorkflowState:
 class WorkflowRegistry:
     """Workflows by id; finished ones are kept for `keep_finished` entries (LRU)."""
 
-    def __init__(self, keep_finished: int = 10_000) -> None:
+    def __init__(
+        self,
+        keep_finished: int = 10_000,
+        on_close: Callable[[WorkflowState], None] | None = None,
+    ) -> None:
         self.active: dict[str, WorkflowState] = {}
         self.finished: OrderedDict[str, WorkflowState] = OrderedDict()
         self.keep_finished = keep_finished
+        self.on_close = on_close
 
     def __len__(self) -> int:
         return len(self.active)
@@ -86,12 +95,33 @@ class WorkflowRegistry:
             self.active[workflow_id] = st
         return st
 
-    def mark_submitted(self, workflow_id: str, node_id: str, engine: int, now: float) -> None:
+    def mark_submitted(
+        self,
+        workflow_id: str,
+        node_id: str,
+        engine: int,
+        now: float,
+        block_hashes: Sequence[int] = (),
+        parents: Sequence[str] = (),
+    ) -> None:
         st = self.active.get(workflow_id)
-        if st is not None:
-            ns = st.node(node_id)
-            ns.engine = engine
-            ns.submitted_s = now
+        if st is None:
+            return
+        ns = st.node(node_id)
+        ns.engine = engine
+        ns.submitted_s = now
+        ns.prompt_blocks = len(block_hashes)
+        ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
+        # Does this prompt extend a parent's context? Chain hashes make it one compare.
+        for p in parents:
+            ps = st.nodes.get(p)
+            if (
+                ps is not None
+                and ps.last_prompt_hash is not None
+                and len(block_hashes) > ps.prompt_blocks
+                and block_hashes[ps.prompt_blocks - 1] == ps.last_prompt_hash
+            ):
+                ps.context_reused = True
 
     def mark_finished(self, workflow_id: str, node_id: str, now: float) -> list[str]:
         """Record a node's end; returns children that became ready."""
@@ -110,5 +140,7 @@ class WorkflowRegistry:
             return
         st.finished_s = now
         self.finished[workflow_id] = st
+        if self.on_close is not None:
+            self.on_close(st)
         while len(self.finished) > self.keep_finished:
             self.finished.popitem(last=False)

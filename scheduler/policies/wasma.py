@@ -70,30 +70,36 @@ class Wasma(Policy):
         self._rotate = 0
 
     # -- workflow lookahead ----------------------------------------------------------
-    def _lookahead(self, wst: WorkflowState | None) -> tuple[dict[str, float], frozenset[str]]:
-        """(remaining critical path per node, nodes whose context a descendant reuses)."""
+    def _lookahead(
+        self, wst: WorkflowState | None, req: RequestInfo
+    ) -> tuple[float | None, bool]:
+        """(this node's remaining critical path, whether descendants reuse its context):
+        from the workflow's DAG when registered, else from the app's learned shape."""
         if wst is None or wst.workflow is None:
-            return {}, frozenset()
+            shapes = self.ctx.shapes
+            return (
+                shapes.remaining_s(req.app, req.node_id),
+                shapes.context_reused(req.app, req.node_id),
+            )
         have = self._cp_cache.get(wst.workflow_id)
-        if have is not None:
-            return have
-        wf = wst.workflow
-        prof = self.ctx.profile
-        cost = {
-            n: prof.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
-            for n in wf.nodes
-        }
-        reused = frozenset(
-            seg.node
-            for node in wf.nodes.values()
-            for seg in node.prompt
-            if isinstance(seg, ContextOf)
-        )
-        have = (wf.remaining_critical_path(cost), reused)
-        self._cp_cache[wst.workflow_id] = have
-        if len(self._cp_cache) > 100_000:
-            self._cp_cache.pop(next(iter(self._cp_cache)))
-        return have
+        if have is None:
+            wf = wst.workflow
+            prof = self.ctx.profile
+            cost = {
+                n: prof.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
+                for n in wf.nodes
+            }
+            reused = frozenset(
+                seg.node
+                for node in wf.nodes.values()
+                for seg in node.prompt
+                if isinstance(seg, ContextOf)
+            )
+            have = (wf.remaining_critical_path(cost), reused)
+            self._cp_cache[wst.workflow_id] = have
+            if len(self._cp_cache) > 100_000:
+                self._cp_cache.pop(next(iter(self._cp_cache)))
+        return have[0].get(req.node_id), req.node_id in have[1]
 
     def _priority(self, req: RequestInfo, rem: float | None, now: float) -> int:
         if not self.p["priority"]:
@@ -186,8 +192,7 @@ class Wasma(Policy):
                 best_key = key
                 best = (own, s, max_real if transfer is not None else hit, transfer)
         est, slot, hit, transfer = best
-        wst = ctx.workflows.get(req.workflow_id)
-        remaining, reused = self._lookahead(wst)
+        remaining, reused = self._lookahead(ctx.workflows.get(req.workflow_id), req)
         kind = (
             PlacementKind.TRANSFER
             if transfer is not None
@@ -196,9 +201,9 @@ class Wasma(Policy):
         return Placement(
             engine=slot,
             kind=kind,
-            priority=self._priority(req, remaining.get(req.node_id), now),
+            priority=self._priority(req, remaining, now),
             hit_blocks=hit,
             transfer=transfer,
-            retain=bool(p["retain"]) and req.node_id in reused,
+            retain=bool(p["retain"]) and reused,
             estimated_finish_s=now + est,
         )
