@@ -224,6 +224,7 @@ def generate(
         wid = f"{app}-{seed}-{i}"
         nodes = spec.build(rng, wid)
         draft = Workflow.create(wid, app, t, 1.0, nodes)
-        deadline = round(factor * critical_path_alone_s(draft, profile), 3)
+        # Rounded for a readable trace, but never to 0 (a deadline must be positive).
+        deadline = max(round(factor * critical_path_alone_s(draft, profile), 3), 0.001)
         out.append(Workflow.create(wid, app, round(t, 6), deadline, nodes))
     return out

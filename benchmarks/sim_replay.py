@@ -262,7 +262,7 @@ class SimReplay:
                         self._start(slot, now)
                 else:
                     slot, req, hashes, submitted = payload
-                    engines[slot].kv.seed(hashes)
+                    req.pinned_blocks = engines[slot].kv.seed_pinned(hashes)
                     self._arrival[req.request_id] = submitted
                     self._add(slot, req, now)
             else:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line: `wasma bench: error: ...`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 class CLIError(Exception):
@@ -52,7 +59,7 @@ def _name_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="wasma", description="Workflow-aware scheduling for multi-agent LLM serving."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--model", default=None)
     rp.add_argument("--label", default="live", help="policy label written into results")
     rp.add_argument("--vocab-size", type=_positive_int, default=None)
+    rp.add_argument("--concurrency", type=_positive_int, default=256, help="max requests in flight")
+    rp.add_argument("--timeout", type=_positive_float, default=600.0, help="per request, seconds")
+    rp.add_argument("--no-progress", action="store_true")
 
     sv = sub.add_parser("serve", help="run the OpenAI-compatible gateway and router")
     sv.add_argument("--engines", required=True, help="sim:N | vllm:N | openai:URL[,URL...]")
@@ -106,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--config", default=None)
     sv.add_argument("--address", default=None, help="Ray address of an existing cluster")
     sv.add_argument("--api-key-file", default=None)
+    sv.add_argument(
+        "--router-in-process",
+        action="store_true",
+        help="run the router in the gateway process instead of a Ray actor",
+    )
+    sv.add_argument(
+        "--sim-speed", type=_positive_float, default=None, help="sim engines: run N x faster"
+    )
+    sv.add_argument(
+        "--kv-events",
+        default=None,
+        help="openai engines: their ZMQ KV-event endpoints, tcp://HOST:PORT[,...] in order",
+    )
+    sv.add_argument("--served-model-name", default=None)
 
     pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)
     pl.add_argument("rest", nargs=argparse.REMAINDER)
@@ -138,6 +162,29 @@ def _parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], profile: Any) -> None:
+    """Build each policy once with its parameters, so a bad one fails before any run."""
+    from scheduler.policy import PolicyContext
+    from scheduler.prefix_index import PrefixIndex
+    from scheduler.registry import default_registry
+    from scheduler.state import ClusterState
+    from scheduler.workflows import WorkflowRegistry
+
+    reg = default_registry()
+    for pol in policies:
+        ctx = PolicyContext(
+            ClusterState(["e0"]),
+            PrefixIndex(["e0"]),
+            WorkflowRegistry(),
+            profile,
+            params=params.get(pol, {}),
+        )
+        try:
+            reg.create(pol, ctx)
+        except ValueError as exc:
+            raise CLIError(f"--param: {exc}") from None
+
+
 def _cmd_trace_gen(args: argparse.Namespace) -> int:
     from benchmarks.apps import generate
     from engines.sim.profile import load_profile
@@ -166,13 +213,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for p in args.policies:
         if p not in known:
             raise CLIError(f"--policies: unknown policy {p!r}; choose from: {', '.join(known)}")
-    load_profile(args.profile)  # fail fast on a bad profile
+    profile = load_profile(args.profile)  # fail fast on a bad profile
     for t in args.trace:
-        load_trace(t)  # fail fast, with file:line, before spawning workers
+        # Fail fast, with file:line, before spawning workers; and on requests the profile's
+        # engines would reject mid-run.
+        for wf in load_trace(t):
+            for n, node in wf.nodes.items():
+                total = wf.prompt_tokens(n) + node.output_tokens
+                if total > profile.max_model_len:
+                    raise CLIError(
+                        f"{t}: workflow {wf.workflow_id!r}, node {n!r}: {total} prompt+output "
+                        f"tokens exceed max_model_len {profile.max_model_len} of profile "
+                        f"{profile.name!r}"
+                    )
     params = _parse_params(args.param)
     for pol in params:
         if pol not in args.policies:
             raise CLIError(f"--param for {pol!r}, which is not in --policies")
+    _check_params(args.policies, params, load_profile(args.profile))
     results = bench(
         [str(Path(t)) for t in args.trace],
         args.policies,

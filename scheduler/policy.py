@@ -94,6 +94,8 @@ class Policy(ABC):
 
     name: ClassVar[str]
     params: ClassVar[Mapping[str, Any]] = {}
+    # Whether the policy reads `ctx.inflight`; the router maintains it only then.
+    reads_inflight: ClassVar[bool] = False
 
     def __init__(self, ctx: PolicyContext) -> None:
         unknown = set(ctx.params) - set(self.params)

@@ -35,7 +35,7 @@ class Router:
         self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
         name = self.ctx.state.loads[placement.engine].name
         hashes = tuple(req.block_hashes)
-        if hashes:
+        if hashes and self.policy.reads_inflight:
             self._inflight[req.request_id] = (name, hashes)
             self.ctx.inflight.apply(BlockStored(name, hashes, None))
         self.ctx.workflows.mark_submitted(

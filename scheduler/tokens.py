@@ -79,6 +79,8 @@ class BlockHasher:
         carry: list[tuple[int, int, int]] = []
         carry_len = 0
         for p in span:
+            if not p.length:
+                continue  # an empty piece adds no tokens; it must not split a block's runs
             stream, pos, left = p.stream, p.start, p.length
             if carry_len:
                 take = min(bs - carry_len, left)

@@ -19,6 +19,8 @@ def load_trace(path: str | Path) -> list[Workflow]:
         text = path.read_text()
     except OSError as exc:
         raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from exc
     workflows: list[Workflow] = []
     seen: dict[str, int] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):

@@ -111,8 +111,10 @@ class Workflow:
         graph.add_nodes_from(table)
         for node in table.values():
             here = f"{where}, node {node.id!r}"
-            if not isinstance(node.output_tokens, int) or not (
-                1 <= node.output_tokens <= MAX_OUTPUT_TOKENS
+            if (
+                isinstance(node.output_tokens, bool)
+                or not isinstance(node.output_tokens, int)
+                or not (1 <= node.output_tokens <= MAX_OUTPUT_TOKENS)
             ):
                 raise WorkflowError(
                     f"{here}: output_tokens must be an integer in [1, {MAX_OUTPUT_TOKENS}], "
@@ -126,6 +128,8 @@ class Workflow:
                 graph.add_edge(parent, node.id)
             if not node.prompt:
                 raise WorkflowError(f"{here}: prompt has no segments")
+            if all(isinstance(s, Shared | Unique) and s.tokens == 0 for s in node.prompt):
+                raise WorkflowError(f"{here}: prompt has no tokens (every segment is empty)")
         if not nx.is_directed_acyclic_graph(graph):
             cycle = nx.find_cycle(graph)
             path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
@@ -242,6 +246,9 @@ class Workflow:
         for key in ("workflow_id", "nodes"):
             if key not in data:
                 raise WorkflowError(f"{where}: missing field {key!r}")
+        extra = set(data) - {"workflow_id", "app", "arrival_s", "deadline_s", "nodes"}
+        if extra:
+            raise WorkflowError(f"{where}: unknown field(s) {sorted(extra)}")
         raw_nodes = data["nodes"]
         if not isinstance(raw_nodes, list):
             raise WorkflowError(f"{where}: 'nodes' must be a list")
@@ -295,6 +302,9 @@ def _node_from_dict(raw: Any, where: str, index: int) -> Node:
     here = f"{where}, node {nid!r}"
     if "id" not in raw:
         raise WorkflowError(f"{where}, node #{index}: missing 'id'")
+    extra = set(raw) - {"id", "parents", "output_tokens", "prompt"}
+    if extra:
+        raise WorkflowError(f"{here}: unknown field(s) {sorted(extra)}")
     parents = raw.get("parents", [])
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise WorkflowError(f"{here}: 'parents' must be a list of node ids")

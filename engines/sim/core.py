@@ -24,6 +24,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice, takewhile
 
 from engines.base import BlockRemoved, BlockStored, EngineStats, KVEvent
 from engines.sim.kv_cache import KVCache
@@ -46,6 +47,7 @@ class SimRequest:
     num_cached_tokens: int = -1  # prefix-cache hit when first scheduled
     num_preemptions: int = 0
     prefill_tokens_computed: int = 0  # prompt/recompute tokens actually run through prefill
+    pinned_blocks: list[int] = field(default_factory=list)  # moved-in KV held for it
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0
     finish_time: float = -1.0
@@ -178,17 +180,24 @@ class SimEngineCore:
 
     def abort(self, request_id: str) -> None:
         """Drop a request; a running one leaves at the end of the step in flight."""
+        dropped: SimRequest | None = None
         if self.policy == "priority":
             kept = [e for e in self._heap if e[3].request_id != request_id]
             if len(kept) != len(self._heap):
+                dropped = next(e[3] for e in self._heap if e[3].request_id == request_id)
                 self._heap = kept
                 heapq.heapify(self._heap)
-                return
         else:
             for r in self._fcfs:
                 if r.request_id == request_id:
+                    dropped = r
                     self._fcfs.remove(r)
-                    return
+                    break
+        if dropped is not None:
+            if dropped.pinned_blocks:
+                self.kv.free_blocks(dropped.pinned_blocks)
+                dropped.pinned_blocks = []
+            return
         if any(r.request_id == request_id for r in self.running):
             self._aborted.add(request_id)
 
@@ -223,8 +232,7 @@ class SimEngineCore:
         """One vLLM scheduling pass: (scheduled, preempted any, admitted any)."""
         prof = self.profile
         budget = prof.max_num_batched_tokens
-        eligible = len(self.running) + self.num_waiting
-        threshold = prof.long_prefill_token_threshold if eligible > 1 else 0
+        threshold = prof.long_prefill_token_threshold
         scheduled: list[tuple[SimRequest, int]] = []
         preempted = False
         running = self.running
@@ -282,6 +290,10 @@ class SimEngineCore:
                 if not self._allocate(req, num_new, hits):
                     break
                 self._pop_waiting()
+                if req.pinned_blocks:
+                    # The request now holds its moved-in prefix through its own hits.
+                    kv.free_blocks(req.pinned_blocks)
+                    req.pinned_blocks = []
                 if req.num_computed_tokens == 0:
                     kv.queries_tokens += req.num_tokens
                     kv.hits_tokens += len(hits) * bs
@@ -299,6 +311,10 @@ class SimEngineCore:
         """Schedule the next step at `now`; returns when it ends."""
         assert not self.busy, f"engine {self.name}: step already in flight"
         scheduled, preempted, admitted = self._schedule(now)
+        while not scheduled and preempted:
+            # The request being scheduled preempted itself (vLLM then schedules the rest
+            # in its next iteration, at once): schedule again with the freed blocks.
+            scheduled, preempted, admitted = self._schedule(now)
         if not scheduled:
             # Nothing fits (all blocks held by waiting-only state cannot happen in vLLM);
             # report idle so the driver waits for the next arrival.
@@ -329,6 +345,7 @@ class SimEngineCore:
                 self._macro = _Macro(now, k, a, b)
                 dur = self._macro.end_of(k - 1) - now
         self.busy = True
+        self._step_start = now
         self.step_end = now + dur
         return self.step_end
 
@@ -346,6 +363,15 @@ class SimEngineCore:
                 max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks)) for r in self.running
             )
 
+        # Sub-steps 2..k allocate in complete_step, at the macro's end; they must not evict
+        # cached blocks, whose BlockRemoved events would then reach the router late.
+        hash_of = self.kv.hash_of
+        free = sum(
+            1
+            for _ in takewhile(
+                lambda b: hash_of[b] is None, islice(self.kv.free, blocks_needed(kmax))
+            )
+        )
         if blocks_needed(kmax) <= free:
             return kmax
         lo, hi = 1, kmax
@@ -384,8 +410,7 @@ class SimEngineCore:
         self.busy = False
         self.steps += 1
         k = self._macro.k if self._macro is not None else 1
-        if self._macro is not None:
-            self.busy_time += now - self._macro.start
+        self.busy_time += now - self._step_start
         bs = self.block_size
         finished: list[SimRequest] = []
         first: list[SimRequest] = []

@@ -157,7 +157,7 @@ class KVCache:
         bs = blocks[start:end]
         # Same content computed twice concurrently: vLLM keeps both copies and one map
         # entry suffices to serve hits, so only new hashes are registered.
-        fresh = [(h, b) for h, b in zip(hs, bs) if h not in cached]
+        fresh = [(h, b) for h, b in zip(hs, bs, strict=True) if h not in cached]
         if not fresh:
             return
         for h, b in fresh:
@@ -169,22 +169,28 @@ class KVCache:
     def seed(self, block_hashes: Sequence[int]) -> int:
         """Install a prefix's KV that arrived from another engine (a transfer).
 
-        The blocks land cached and free at the most-recently-used end, as blocks a
-        connector loaded for a request that has not been scheduled yet. Returns how many
+        The blocks land cached and free at the most-recently-used end. Returns how many
         leading blocks are now cached here."""
+        held = self.seed_pinned(block_hashes)
+        self.free_blocks(held)
+        return len(held)
+
+    def seed_pinned(self, block_hashes: Sequence[int]) -> list[int]:
+        """Like `seed`, but the prefix's blocks stay held (ref +1) for the request the
+        KV was moved for, as a connector's load holds them in vLLM; the caller frees
+        them once that request is admitted."""
         n_have = self.count_hit(block_hashes)
+        have = [self.cached[h] for h in block_hashes[:n_have]]
+        self.touch(have)  # the prefix being extended must not be evicted to extend it
         todo = list(block_hashes[n_have:])
         todo = todo[: self.num_free]
-        if not todo:
-            return n_have
-        blocks = self.allocate(len(todo))
+        blocks = self.allocate(len(todo)) if todo else []
         for b, h in zip(blocks, todo, strict=True):
             self.hash_of[b] = h
             self.cached[h] = b
-        if self.on_stored is not None:
+        if todo and self.on_stored is not None:
             self.on_stored(todo, block_hashes[n_have - 1] if n_have else None)
-        self.free_blocks(blocks)
-        return n_have + len(todo)
+        return have + blocks
 
     def reset(self) -> None:
         """Drop every cached hash (vLLM's reset_prefix_cache); only legal when idle."""

@@ -12,6 +12,7 @@ quadratic prefill-attention term. Each profile file cites where its numbers come
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -110,6 +111,14 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     for key in _INT_FIELDS:
         if ints[key] == 0:
             raise ProfileError(f"{where}: {key} must be positive")
+    known = {"name", "step", "sources", "long_prefill_token_threshold", "vocab_size", *_INT_FIELDS}
+    if set(data) - known:
+        raise ProfileError(f"{where}: unknown field(s) {sorted(set(data) - known)}")
+    if (ints["num_kv_blocks"] - 1) * ints["block_size"] < ints["max_model_len"]:
+        raise ProfileError(
+            f"{where}: max_model_len {ints['max_model_len']} exceeds the KV pool "
+            f"({ints['num_kv_blocks'] - 1} usable blocks of {ints['block_size']} tokens)"
+        )
     step = data["step"]
     if not isinstance(step, dict):
         raise ProfileError(f"{where}: step must be a mapping of coefficients")
@@ -120,8 +129,13 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     coeffs: dict[str, float] = {}
     for key in names:
         val = step.get(key)
-        if isinstance(val, bool) or not isinstance(val, int | float) or val < 0:
-            raise ProfileError(f"{where}: step.{key} must be a number >= 0, got {val!r}")
+        if (
+            isinstance(val, bool)
+            or not isinstance(val, int | float)
+            or not math.isfinite(val)
+            or val < 0
+        ):
+            raise ProfileError(f"{where}: step.{key} must be a finite number >= 0, got {val!r}")
         coeffs[key] = float(val)
     if coeffs["base_s"] <= 0:
         raise ProfileError(f"{where}: step.base_s must be > 0 (a step is never free)")
@@ -158,5 +172,8 @@ def load_profile(name_or_path: str) -> Profile:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ProfileError(f"{where}: invalid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ProfileError(f"{where}: invalid YAML{at}: {problem}") from exc
     return profile_from_dict(data, where)

@@ -41,6 +41,7 @@ _PRIORITY_STEP_S = 0.05
 
 class Wasma(Policy):
     name = "wasma"
+    reads_inflight = True
     params: ClassVar[dict[str, Any]] = {
         "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
@@ -154,7 +155,10 @@ class Wasma(Policy):
         for s in slots:
             load = loads[s]
             hit = hits[s]
-            queued = load.pending_prefill_tokens * c_pre if load_aware else 0.0
+            # A sibling placed here computes the shared head this request would hit: that
+            # prefill is this request's own, not extra queue in front of it.
+            overlay = (hit - real[s]) * bs
+            queued = max(0, load.pending_prefill_tokens - overlay) * c_pre if load_aware else 0.0
             uncached = req.prompt_tokens - hit * bs
             transfer: TransferOrder | None = None
             if can_move and max_real > hit:

@@ -1,0 +1,221 @@
+"""The simulated replay driver and the results summary (benchmarks/sim_replay.py,
+benchmarks/metrics.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import pytest
+
+from benchmarks.apps import generate
+from benchmarks.metrics import percentile, summarize
+from benchmarks.sim_replay import RunResult, SimReplay
+from engines.sim.profile import Profile, load_profile
+from scheduler.workflow import Node, Unique, Workflow
+
+PROFILE = load_profile("llama3-8b-h100")
+POLICIES = ["round_robin", "least_loaded", "prefix_aware", "kv_aware", "session", "wasma"]
+APPS = ["pipeline", "mapreduce", "debate"]
+
+# DESIGN.md, "Results": every field of a run.
+RESULT_FIELDS = {
+    "trace": str,
+    "policy": str,
+    "rate_scale": float,
+    "engines": int,
+    "profile": str,
+    "workflows": int,
+    "requests": int,
+    "duration_s": float,
+    "goodput_wf_per_s": float,
+    "deadline_attainment": float,
+    "p50_workflow_s": float,
+    "p95_workflow_s": float,
+    "p99_workflow_s": float,
+    "p95_request_s": float,
+    "p95_ttft_s": float,
+    "prefix_hit_ratio": float,
+    "recomputed_prompt_tokens": int,
+    "transferred_bytes": int,
+    "decision_p99_us": float,
+}
+
+
+@cache
+def trace(app: str, n: int = 6, rate: float = 2.0, seed: int = 5) -> tuple[Workflow, ...]:
+    return tuple(generate(app, n, rate, seed, PROFILE))
+
+
+def small_kv(num_kv_blocks: int) -> Profile:
+    return dataclasses.replace(
+        PROFILE, num_kv_blocks=num_kv_blocks, max_model_len=(num_kv_blocks - 1) * 16
+    )
+
+
+def records(run: RunResult) -> list[tuple[object, ...]]:
+    return sorted(
+        (
+            r.workflow_id,
+            r.node_id,
+            r.engine,
+            r.kind,
+            r.submit_s,
+            r.first_token_s,
+            r.finish_s,
+            r.cached_tokens,
+            r.prefill_tokens_computed,
+            r.preemptions,
+            r.transferred_bytes,
+        )
+        for r in run.requests
+    )
+
+
+@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_workflow_completes_respecting_the_dag(app: str, policy: str) -> None:
+    wfs = trace(app)
+    run = SimReplay(wfs, policy, 3, PROFILE).run()
+    assert len(run.workflows) == len(wfs)
+    assert len(run.requests) == sum(len(w) for w in wfs)
+    by_node = {(r.workflow_id, r.node_id): r for r in run.requests}
+    assert len(by_node) == len(run.requests)
+    for w in wfs:
+        rec = next(x for x in run.workflows if x.workflow_id == w.workflow_id)
+        assert rec.arrival_s == w.arrival_s and rec.deadline_s == w.deadline_s
+        last = 0.0
+        for n, node in w.nodes.items():
+            r = by_node[(w.workflow_id, n)]
+            assert r.submit_s <= r.first_token_s <= r.finish_s
+            assert r.output_tokens == node.output_tokens
+            assert r.prompt_tokens == w.prompt_tokens(n)
+            assert 0 <= r.cached_tokens < r.prompt_tokens
+            assert 0 <= r.engine < 3
+            for p in node.parents:
+                assert r.submit_s >= by_node[(w.workflow_id, p)].finish_s
+            if not node.parents:
+                assert r.submit_s == w.arrival_s
+            last = max(last, r.finish_s)
+        assert rec.finish_s == last
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_runs_are_deterministic(policy: str) -> None:
+    a = SimReplay(trace("mapreduce"), policy, 3, PROFILE).run()
+    b = SimReplay(trace("mapreduce"), policy, 3, PROFILE).run()
+    assert records(a) == records(b)
+    assert [dataclasses.astuple(w) for w in a.workflows] == [
+        dataclasses.astuple(w) for w in b.workflows
+    ]
+
+
+def test_rate_scale_compresses_arrivals() -> None:
+    wfs = trace("debate")
+    run = SimReplay(wfs, "least_loaded", 2, PROFILE, rate_scale=2.0).run()
+    arrivals = {w.workflow_id: w.arrival_s for w in run.workflows}
+    for w in wfs:
+        assert arrivals[w.workflow_id] == pytest.approx(w.arrival_s / 2.0)
+    assert run.rate_scale == 2.0
+
+
+def test_prefix_reuse_happens_for_shared_prompts() -> None:
+    """mapreduce workers share a document: some prompt tokens must come from cache."""
+    run = SimReplay(trace("mapreduce"), "kv_aware", 2, PROFILE).run()
+    assert sum(r.cached_tokens for r in run.requests) > 0
+    assert run.engine_prefix_hits > 0 and run.engine_prefix_queries >= run.engine_prefix_hits
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="engine"):
+        SimReplay(trace("debate"), "wasma", 0, PROFILE)
+    with pytest.raises(ValueError, match="rate_scale"):
+        SimReplay(trace("debate"), "wasma", 2, PROFILE, rate_scale=0.0)
+    with pytest.raises(ValueError, match="policy"):
+        SimReplay(trace("debate"), "nope", 2, PROFILE)
+
+
+def test_request_too_long_for_the_model_is_an_error() -> None:
+    wf = Workflow.create("big", "x", 0.0, 10.0, [Node("a", (), 10, (Unique(200_000),))])
+    with pytest.raises(ValueError, match=r"big/a.*max_model_len"):
+        SimReplay([wf], "round_robin", 1, PROFILE).run()
+
+
+# -- fast-forward (macro steps) against step-by-step -----------------------------------
+
+
+def assert_same_times(a: RunResult, b: RunResult) -> None:
+    ra, rb = records(a), records(b)
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb, strict=True):
+        assert x[:4] == y[:4]  # same workflow, node, engine, placement kind
+        assert x[4:7] == pytest.approx(y[4:7], abs=1e-9)
+        assert x[7:] == y[7:]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fast_forward_equals_step_by_step(policy: str) -> None:
+    wfs = trace("mapreduce", 10, 3.0, 9)
+    fast = SimReplay(wfs, policy, 3, PROFILE, fast_forward=True).run()
+    slow = SimReplay(wfs, policy, 3, PROFILE, fast_forward=False).run()
+    assert_same_times(fast, slow)
+    assert fast.engine_steps < slow.engine_steps
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])
+def test_fast_forward_equals_step_by_step_under_kv_pressure(policy: str) -> None:
+    """With KV-blind policies, preemption and eviction inside engines match exactly."""
+    prof = small_kv(800)
+    wfs = tuple(generate("debate", 12, 3.0, 2, prof))
+    fast = SimReplay(wfs, policy, 2, prof, fast_forward=True).run()
+    slow = SimReplay(wfs, policy, 2, prof, fast_forward=False).run()
+    assert sum(r.preemptions for r in slow.requests) > 0
+    assert_same_times(fast, slow)
+
+
+# -- summary ---------------------------------------------------------------------------
+
+
+def test_summary_has_every_results_field() -> None:
+    run = SimReplay(trace("pipeline"), "wasma", 2, PROFILE).run()
+    row = summarize(run, "pipeline.jsonl", PROFILE.kv_bytes_per_token)
+    missing = set(RESULT_FIELDS) - set(row)
+    assert not missing
+    for key, typ in RESULT_FIELDS.items():
+        assert isinstance(row[key], typ), (key, row[key])
+    assert row["trace"] == "pipeline.jsonl" and row["policy"] == "wasma"
+    assert row["engines"] == 2 and row["profile"] == PROFILE.name
+    assert row["workflows"] == 6 and row["requests"] == len(run.requests)
+
+
+def test_summary_values_follow_the_definitions() -> None:
+    run = SimReplay(trace("mapreduce"), "least_loaded", 2, PROFILE, rate_scale=1.5).run()
+    row = summarize(run, "t.jsonl")
+    wfs, reqs = run.workflows, run.requests
+    duration = max(w.finish_s for w in wfs) - min(w.arrival_s for w in wfs)
+    met = [w for w in wfs if w.finish_s - w.arrival_s <= w.deadline_s]
+    assert row["duration_s"] == pytest.approx(duration, abs=1e-6)
+    assert row["goodput_wf_per_s"] == pytest.approx(len(met) / duration, rel=1e-6)
+    assert row["deadline_attainment"] == pytest.approx(len(met) / len(wfs))
+    lat = [w.finish_s - w.arrival_s for w in wfs]
+    assert row["p50_workflow_s"] <= row["p95_workflow_s"] <= row["p99_workflow_s"] <= max(lat)
+    assert row["p99_workflow_s"] >= min(lat)
+    prompt = sum(r.prompt_tokens for r in reqs)
+    assert row["prefix_hit_ratio"] == pytest.approx(sum(r.cached_tokens for r in reqs) / prompt)
+    assert 0 <= row["prefix_hit_ratio"] < 1
+    assert row["p95_ttft_s"] <= row["p95_request_s"]
+    assert row["rate_scale"] == 1.5
+    assert row["decision_p99_us"] > 0
+
+
+def test_percentile() -> None:
+    assert percentile([], 95) == 0.0
+    assert percentile([3.0], 50) == 3.0
+    assert percentile(list(range(101)), 95) == pytest.approx(95.0)
+
+
+def test_summary_of_an_empty_run() -> None:
+    run = RunResult("p", 1, "x", 1.0, [], [], [], 0.0, 0)
+    row = summarize(run, "t")
+    assert set(RESULT_FIELDS) <= set(row)
+    assert row["goodput_wf_per_s"] == 0.0 and row["deadline_attainment"] == 0.0

@@ -1,0 +1,440 @@
+"""Placement decisions of the baseline policies and wasma on constructed cluster states."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from engines.base import BlockStored
+from engines.sim.profile import Profile, load_profile
+from scheduler.policy import NoHealthyEngine, PlacementKind, PolicyContext, RequestInfo
+from scheduler.prefix_index import PrefixIndex
+from scheduler.registry import UnknownPolicy, default_registry
+from scheduler.router import Router
+from scheduler.state import ClusterState
+from scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
+from scheduler.workflows import WorkflowRegistry
+
+PROFILE = load_profile("llama3-8b-h100")
+BS = PROFILE.block_size
+DESIGN_POLICIES = ["round_robin", "least_loaded", "prefix_aware", "kv_aware", "session", "wasma"]
+
+
+def make_ctx(
+    n: int = 4, params: dict[str, Any] | None = None, profile: Profile = PROFILE
+) -> PolicyContext:
+    names = [f"e{i}" for i in range(n)]
+    return PolicyContext(
+        state=ClusterState(names, num_kv_blocks=profile.num_kv_blocks - 1),
+        index=PrefixIndex(names),
+        workflows=WorkflowRegistry(),
+        profile=profile,
+        params=params or {},
+    )
+
+
+def policy(name: str, ctx: PolicyContext) -> Any:
+    return default_registry().create(name, ctx)
+
+
+def req(
+    rid: str = "r",
+    hashes: list[int] | None = None,
+    prompt: int | None = None,
+    max_tokens: int = 16,
+    wid: str | None = None,
+    node: str = "n",
+    deadline: float = float("inf"),
+) -> RequestInfo:
+    hashes = list(range(1000, 1010)) if hashes is None else hashes
+    return RequestInfo(
+        request_id=rid,
+        workflow_id=wid if wid is not None else rid,
+        node_id=node,
+        app="test",
+        prompt_tokens=prompt if prompt is not None else len(hashes) * BS + 5,
+        max_tokens=max_tokens,
+        block_hashes=hashes,
+        arrival_s=0.0,
+        deadline_s=deadline,
+    )
+
+
+def hold(ctx: PolicyContext, engine: int, hashes: list[int]) -> None:
+    ctx.index.apply(BlockStored(f"e{engine}", tuple(hashes), None))
+
+
+# -- registry --------------------------------------------------------------------------
+
+
+def test_registry_has_every_design_policy() -> None:
+    reg = default_registry()
+    assert set(DESIGN_POLICIES) <= set(reg.names())
+    for name in DESIGN_POLICIES:
+        p = reg.create(name, make_ctx())
+        assert p.name == name
+
+
+def test_unknown_policy_lists_choices() -> None:
+    with pytest.raises(UnknownPolicy) as ei:
+        default_registry().create("fastest", make_ctx())
+    msg = str(ei.value)
+    assert "'fastest'" in msg
+    for name in DESIGN_POLICIES:
+        assert name in msg
+
+
+def test_double_registration_rejected() -> None:
+    reg = default_registry()
+    with pytest.raises(ValueError, match="twice"):
+        reg.register("wasma", lambda ctx: policy("wasma", ctx))
+
+
+def test_unknown_policy_parameter_rejected() -> None:
+    with pytest.raises(ValueError, match=r"prefix_aware.*bogus.*accepted"):
+        policy("prefix_aware", make_ctx(params={"bogus": 1}))
+    with pytest.raises(ValueError, match="none"):
+        policy("round_robin", make_ctx(params={"x": 1}))
+
+
+# -- health ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DESIGN_POLICIES)
+def test_unhealthy_engines_skipped(name: str) -> None:
+    ctx = make_ctx()
+    for s in (0, 1, 3):
+        ctx.state.set_healthy(s, False)
+    hold(ctx, 0, list(range(1000, 1010)))  # the unhealthy engine holds the prefix
+    p = policy(name, ctx)
+    for i in range(6):
+        assert p.place(req(f"r{i}"), 0.0).engine == 2
+
+
+@pytest.mark.parametrize("name", DESIGN_POLICIES)
+def test_no_healthy_engine_raises(name: str) -> None:
+    ctx = make_ctx()
+    for s in range(4):
+        ctx.state.set_healthy(s, False)
+    with pytest.raises(NoHealthyEngine):
+        policy(name, ctx).place(req(), 0.0)
+
+
+@pytest.mark.parametrize("name", DESIGN_POLICIES)
+def test_placement_reports_real_hits(name: str) -> None:
+    """hit_blocks/kind agree with the index for whichever engine is chosen (no transfer)."""
+    ctx = make_ctx(params={"transfer": False} if name == "wasma" else None)
+    hold(ctx, 1, list(range(1000, 1006)))
+    p = policy(name, ctx)
+    for i in range(4):
+        pl = p.place(req(f"r{i}"), 0.0)
+        real = ctx.index.match(list(range(1000, 1010)))[pl.engine]
+        if name != "wasma":
+            assert pl.hit_blocks == real
+        assert pl.kind == (PlacementKind.REUSE if pl.hit_blocks else PlacementKind.RECOMPUTE)
+
+
+# -- round robin / least loaded --------------------------------------------------------
+
+
+def test_round_robin_cycles() -> None:
+    p = policy("round_robin", make_ctx())
+    assert [p.place(req(f"r{i}"), 0.0).engine for i in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+
+
+def test_round_robin_cycles_over_healthy_only() -> None:
+    ctx = make_ctx()
+    ctx.state.set_healthy(1, False)
+    p = policy("round_robin", ctx)
+    got = [p.place(req(f"r{i}"), 0.0).engine for i in range(6)]
+    assert 1 not in got
+    assert Counter(got) == {0: 2, 2: 2, 3: 2}
+
+
+def test_least_loaded_picks_fewest_outstanding() -> None:
+    ctx = make_ctx()
+    for s, n in enumerate([5, 2, 7, 3]):
+        ctx.state.loads[s].outstanding = n
+    p = policy("least_loaded", ctx)
+    assert all(p.place(req(f"r{i}"), 0.0).engine == 1 for i in range(5))
+
+
+def test_least_loaded_ties_rotate() -> None:
+    ctx = make_ctx()
+    p = policy("least_loaded", ctx)
+    got = [p.place(req(f"r{i}"), 0.0).engine for i in range(8)]
+    assert set(got) == {0, 1, 2, 3}
+
+
+def test_least_loaded_through_router_balances() -> None:
+    ctx = make_ctx()
+    router = Router(ctx, policy("least_loaded", ctx))
+    for i in range(12):
+        router.route(req(f"r{i}"), 0.0)
+    assert [load.outstanding for load in ctx.state.loads] == [3, 3, 3, 3]
+
+
+# -- prefix_aware (SGLang cache-aware) -------------------------------------------------
+
+
+def test_prefix_aware_imbalance_goes_to_least_loaded() -> None:
+    ctx = make_ctx()
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    first = p.place(req("a", h), 0.0).engine
+    loads = [100, 100, 100, 100]
+    loads[first] = 100
+    least = (first + 1) % 4
+    loads[least] = 10  # diff 90 > 64 and 100 > 10 * 1.5
+    for s, n in enumerate(loads):
+        ctx.state.loads[s].outstanding = n
+    assert p.place(req("b", h), 0.0).engine == least
+
+
+def test_prefix_aware_needs_both_thresholds_for_imbalance() -> None:
+    ctx = make_ctx(n=2)
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    first = p.place(req("a", h), 0.0).engine
+    other = 1 - first
+    # abs diff 70 > 64 but 210 > 140 * 1.5 is false: balanced, so the cache decides
+    ctx.state.loads[first].outstanding = 210
+    ctx.state.loads[other].outstanding = 140
+    assert p.place(req("b", h), 0.0).engine == first
+    # rel 3x but abs diff 60 <= 64: balanced
+    ctx.state.loads[first].outstanding = 90
+    ctx.state.loads[other].outstanding = 30
+    assert p.place(req("c", h), 0.0).engine == first
+    # both exceeded: least loaded
+    ctx.state.loads[first].outstanding = 200
+    ctx.state.loads[other].outstanding = 30
+    assert p.place(req("d", h), 0.0).engine == other
+
+
+def test_prefix_aware_high_match_rate_goes_to_holder() -> None:
+    ctx = make_ctx()
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    e = p.place(req("a", h), 0.0).engine
+    ctx.state.loads[e].outstanding = 20  # busier but within thresholds
+    # 4 of 10 blocks match: rate 0.4 > 0.3
+    assert p.place(req("b", h[:4] + list(range(2000, 2006))), 0.0).engine == e
+
+
+def test_prefix_aware_low_match_rate_goes_to_smallest_tree() -> None:
+    ctx = make_ctx(n=2)
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    e = p.place(req("a", h), 0.0).engine
+    # 3 of 10 = 0.3, not above the threshold: the engine with the smaller tree
+    assert p.place(req("b", h[:3] + list(range(2000, 2007))), 0.0).engine == 1 - e
+
+
+def test_prefix_aware_tree_is_routing_time_belief_not_engine_truth() -> None:
+    ctx = make_ctx(n=2)
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    hold(ctx, 1, h)  # the engine truly holds it, but the router never routed it there
+    first = p.place(req("a", h), 0.0)
+    assert first.engine == 0  # smallest tree, lowest load: engine 0
+    assert p.place(req("b", h), 0.0).engine == 0  # follows its own tree
+
+
+def test_prefix_aware_threshold_param() -> None:
+    ctx = make_ctx(n=2, params={"cache_threshold": 0.5})
+    p = policy("prefix_aware", ctx)
+    h = list(range(1000, 1010))
+    e = p.place(req("a", h), 0.0).engine
+    assert p.place(req("b", h[:4] + list(range(2000, 2006))), 0.0).engine == 1 - e
+    assert p.place(req("c", h[:6] + list(range(3000, 3004))), 0.0).engine == e
+
+
+# -- kv_aware (Dynamo) -----------------------------------------------------------------
+
+
+def kv_case(active0: int, weight: float = 1.0, pending1: int = 0) -> int:
+    """e0 holds all 10 prompt blocks; e1 holds none. Returns the chosen engine."""
+    ctx = make_ctx(n=2, params={"overlap_score_weight": weight})
+    h = list(range(1000, 1010))
+    hold(ctx, 0, h)
+    ctx.state.loads[0].active_blocks = active0
+    ctx.state.loads[1].pending_prefill_tokens = pending1
+    # prompt 160 tokens = 10 blocks; request blocks = ceil((160 + 16) / 16) = 11
+    return int(policy("kv_aware", ctx).place(req("r", h, prompt=160, max_tokens=16), 0.0).engine)
+
+
+def test_kv_aware_cost_argmin() -> None:
+    # e0: w*0 + (a0 + 11); e1: w*10 + (0 + 11)
+    assert kv_case(active0=9) == 0  # 20 < 21
+    assert kv_case(active0=11) == 1  # 22 > 21
+    assert kv_case(active0=19, weight=2.0) == 0  # 30 < 31
+    assert kv_case(active0=21, weight=2.0) == 1  # 32 > 31
+    # e1's in-flight prefill counts: e1 = (160 + 160) / 16 + 11 = 31
+    assert kv_case(active0=19, pending1=160) == 0
+    assert kv_case(active0=21, pending1=160) == 1
+
+
+def test_kv_aware_reports_overlap() -> None:
+    ctx = make_ctx(n=2)
+    h = list(range(1000, 1010))
+    hold(ctx, 0, h[:7])
+    pl = policy("kv_aware", ctx).place(req("r", h, prompt=160), 0.0)
+    assert pl.engine == 0 and pl.hit_blocks == 7 and pl.kind == PlacementKind.REUSE
+
+
+def test_kv_aware_ties_rotate() -> None:
+    ctx = make_ctx()
+    p = policy("kv_aware", ctx)
+    got = {p.place(req(f"r{i}"), 0.0).engine for i in range(4)}
+    assert got == {0, 1, 2, 3}
+
+
+# -- session (consistent hash) ---------------------------------------------------------
+
+
+def test_session_stable_per_workflow_and_across_instances() -> None:
+    a, b = policy("session", make_ctx()), policy("session", make_ctx())
+    for w in range(20):
+        wid = f"wf-{w}"
+        e = a.place(req(f"{wid}/x", wid=wid), 0.0).engine
+        assert a.place(req(f"{wid}/y", wid=wid), 0.0).engine == e
+        assert b.place(req(f"{wid}/z", wid=wid), 0.0).engine == e
+
+
+def test_session_spreads_workflows() -> None:
+    p = policy("session", make_ctx())
+    got = Counter(p.place(req(f"w{i}/n", wid=f"w{i}"), 0.0).engine for i in range(400))
+    assert set(got) == {0, 1, 2, 3}
+    assert min(got.values()) >= 40  # no engine starved (64 virtual nodes each)
+
+
+def test_session_unhealthy_moves_only_its_workflows() -> None:
+    ctx = make_ctx()
+    p = policy("session", ctx)
+    before = {f"w{i}": p.place(req(f"w{i}/n", wid=f"w{i}"), 0.0).engine for i in range(200)}
+    ctx.state.set_healthy(2, False)
+    for wid, e in before.items():
+        now = p.place(req(f"{wid}/m", wid=wid), 0.0).engine
+        assert now != 2
+        if e != 2:
+            assert now == e
+
+
+# -- router bookkeeping ----------------------------------------------------------------
+
+
+def test_router_charges_and_releases_load() -> None:
+    ctx = make_ctx(n=2)
+    router = Router(ctx, policy("round_robin", ctx))
+    h = list(range(1000, 1010))
+    hold(ctx, 0, h[:4])
+    pl = router.route(req("r1", h, prompt=170, max_tokens=30), 0.0)
+    assert pl.engine == 0 and pl.hit_blocks == 4
+    load = ctx.state.loads[0]
+    assert load.outstanding == 1
+    assert load.active_blocks == -(-(170 + 30) // BS)
+    assert load.pending_prefill_tokens == 170 - 4 * BS
+    assert load.pending_decode_tokens == 30
+    assert ctx.state.engine_of("r1") == 0
+    router.on_first_token("r1")
+    assert load.pending_prefill_tokens == 0 and load.outstanding == 1
+    router.on_finish("r1", "r1", "n", 1.0)
+    assert (load.outstanding, load.active_blocks, load.pending_prefill_tokens) == (0, 0, 0)
+    assert load.pending_decode_tokens == 0 and load.dispatched_total == 1
+    assert ctx.state.engine_of("r1") is None
+    router.on_finish("r1", "r1", "n", 1.0)  # twice: no double release
+    assert load.outstanding == 0
+    assert len(router.decision_us) == 1 and router.decision_us[0] >= 0
+
+
+# -- wasma -----------------------------------------------------------------------------
+
+
+def siblings_workflow(k: int = 4, doc: int = 3000) -> Workflow:
+    nodes = [Node("plan", (), 50, (Shared("sys", 500), Unique(40)))]
+    for i in range(k):
+        nodes.append(
+            Node(f"map{i}", ("plan",), 100, (Shared("doc", doc), OutputOf("plan"), Unique(30)))
+        )
+    return Workflow.create("wf", "mapreduce", 0.0, 60.0, nodes)
+
+
+def test_wasma_colocates_siblings_with_shared_prefix() -> None:
+    """Siblings placed back to back, before any engine reports KV, land together."""
+    from scheduler.tokens import BlockHasher
+
+    ctx = make_ctx(n=4)
+    router = Router(ctx, policy("wasma", ctx))
+    wf = siblings_workflow()
+    ctx.workflows.register(wf, 0.0)
+    hasher = BlockHasher(BS)
+    engines = []
+    for i in range(4):
+        nid = f"map{i}"
+        hs = hasher.chain(wf.prompt_span(nid))
+        r = RequestInfo(
+            f"wf/{nid}", "wf", nid, "mapreduce", wf.prompt_tokens(nid), 100, hs, 0.0, 60.0
+        )
+        engines.append(router.route(r, 0.0).engine)
+    # the second sibling joins the first; the group may split once it is large
+    assert engines[1] == engines[0], engines
+    assert len(set(engines)) <= 2, engines
+
+
+def test_wasma_spreads_unrelated_requests() -> None:
+    ctx = make_ctx(n=4)
+    router = Router(ctx, policy("wasma", ctx))
+    got = {
+        router.route(
+            req(f"r{i}", list(range(i * 1000, i * 1000 + 100)), max_tokens=200), 0.0
+        ).engine
+        for i in range(4)
+    }
+    assert got == {0, 1, 2, 3}
+
+
+def wasma_priority(deadline_abs: float, now: float = 0.0, known: bool = True) -> int:
+    ctx = make_ctx(n=2)
+    p = policy("wasma", ctx)
+    wf = Workflow.create(
+        "wf",
+        "a",
+        0.0,
+        1000.0,
+        [
+            Node("a", (), 200, (Unique(1000),)),
+            Node("b", ("a",), 200, (OutputOf("a"), Unique(100))),
+        ],
+    )
+    if known:
+        ctx.workflows.register(wf, 0.0)
+    r = req(
+        "wf/a",
+        list(range(60)),
+        prompt=1000,
+        max_tokens=200,
+        wid="wf",
+        node="a",
+        deadline=deadline_abs,
+    )
+    return int(p.place(r, now).priority)
+
+
+def test_wasma_priority_orders_by_slack() -> None:
+    tight, loose, looser = wasma_priority(30.0), wasma_priority(100.0), wasma_priority(500.0)
+    assert tight < loose < looser
+
+
+def test_wasma_hopeless_workflow_gets_the_lowest_class() -> None:
+    hopeless = wasma_priority(0.5)  # the critical path alone is longer than 0.5 s
+    worse = wasma_priority(0.1)
+    assert hopeless > wasma_priority(10_000.0)  # behind any workflow that can still make it
+    assert hopeless > wasma_priority(float("inf"))  # and behind requests without deadlines
+    assert worse >= hopeless  # further past its deadline: no higher
+
+
+def test_wasma_priority_off_gives_zero() -> None:
+    ctx = make_ctx(n=2, params={"priority": False})
+    assert policy("wasma", ctx).place(req("r", deadline=1.0), 0.0).priority == 0

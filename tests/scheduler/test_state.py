@@ -1,0 +1,88 @@
+"""Cluster load bookkeeping and the workflow registry (scheduler/state.py, workflows.py)."""
+
+from __future__ import annotations
+
+from engines.base import EngineStats
+from scheduler.state import Charge, ClusterState
+from scheduler.workflow import Node, OutputOf, Unique, Workflow
+from scheduler.workflows import WorkflowRegistry
+
+
+def diamond(wid: str = "w") -> Workflow:
+    return Workflow.create(
+        wid,
+        "app",
+        1.0,
+        10.0,
+        [
+            Node("a", (), 2, (Unique(3),)),
+            Node("b", ("a",), 2, (OutputOf("a"),)),
+            Node("c", ("a",), 2, (OutputOf("a"),)),
+            Node("d", ("b", "c"), 2, (OutputOf("b"), OutputOf("c"))),
+        ],
+    )
+
+
+def test_cluster_state_dispatch_first_token_finish() -> None:
+    st = ClusterState(["e0", "e1"], num_kv_blocks=100)
+    assert st.engines == ["e0", "e1"] and st.slot("e1") == 1
+    st.on_dispatch("r", 1, Charge(blocks=5, prefill_tokens=40, decode_tokens=8))
+    st.on_dispatch("s", 1, Charge(blocks=2, prefill_tokens=0, decode_tokens=3))
+    load = st.loads[1]
+    assert (load.outstanding, load.active_blocks, load.pending_prefill_tokens) == (2, 7, 40)
+    st.on_first_token("r")
+    st.on_first_token("r")  # idempotent
+    assert load.pending_prefill_tokens == 0
+    st.on_finish("r")
+    assert (load.outstanding, load.active_blocks, load.pending_decode_tokens) == (1, 2, 3)
+    st.on_finish("unknown")
+    st.on_finish("s")
+    assert (load.outstanding, load.active_blocks, load.pending_decode_tokens) == (0, 0, 0)
+    assert load.dispatched_total == 2 and st.loads[0].dispatched_total == 0
+
+
+def test_cluster_state_stats_health_and_new_engines() -> None:
+    st = ClusterState(["e0"], num_kv_blocks=10)
+    st.on_stats(0, EngineStats(3, 4, 0.5, 99))
+    load = st.loads[0]
+    assert (load.reported_running, load.reported_waiting, load.reported_kv_usage) == (3, 4, 0.5)
+    assert load.num_kv_blocks == 99
+    st.set_healthy(0, False)
+    assert not st.loads[0].healthy
+    assert st.add_engine("e1", 7) == 1
+    assert st.add_engine("e1") == 1
+    assert st.loads[1].num_kv_blocks == 7 and st.engines == ["e0", "e1"]
+
+
+def test_registry_ready_children_and_close() -> None:
+    reg = WorkflowRegistry()
+    wf = diamond()
+    st = reg.register(wf, 5.0)
+    assert st.deadline_s == 15.0 and reg.get("w") is st and len(reg) == 1
+    reg.mark_submitted("w", "a", 1, 5.0)
+    assert st.nodes["a"].engine == 1
+    assert sorted(reg.mark_finished("w", "a", 6.0)) == ["b", "c"]
+    assert reg.mark_finished("w", "b", 7.0) == []  # d still waits for c
+    assert reg.mark_finished("w", "c", 8.0) == ["d"]
+    assert not st.done
+    assert reg.mark_finished("w", "d", 9.0) == []
+    assert st.done and st.finished_s == 9.0
+    assert len(reg) == 0 and reg.get("w") is st  # kept among the finished
+
+
+def test_registry_keeps_a_bounded_number_of_finished() -> None:
+    reg = WorkflowRegistry(keep_finished=2)
+    for i in range(4):
+        reg.register(diamond(f"w{i}"), 0.0)
+        reg.close(f"w{i}", 1.0)
+    assert reg.get("w0") is None and reg.get("w1") is None
+    assert reg.get("w2") is not None and reg.get("w3") is not None
+
+
+def test_registry_live_workflows() -> None:
+    reg = WorkflowRegistry()
+    st = reg.ensure("live", "app", 2.0, deadline_s=3.0)
+    assert reg.ensure("live", "app", 9.0) is st
+    assert st.deadline_s == 5.0 and st.workflow is None
+    assert reg.mark_finished("live", "x", 3.0) == [] and not st.done
+    assert reg.mark_finished("nope", "x", 3.0) == []

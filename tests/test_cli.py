@@ -1,0 +1,332 @@
+"""The `wasma` command line: `trace gen`, `bench`, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import main
+from scheduler.trace import load_trace
+
+RESULT_FIELDS = [
+    "trace",
+    "policy",
+    "rate_scale",
+    "engines",
+    "profile",
+    "workflows",
+    "requests",
+    "duration_s",
+    "goodput_wf_per_s",
+    "deadline_attainment",
+    "p50_workflow_s",
+    "p95_workflow_s",
+    "p99_workflow_s",
+    "p95_request_s",
+    "p95_ttft_s",
+    "prefix_hit_ratio",
+    "recomputed_prompt_tokens",
+    "transferred_bytes",
+    "decision_p99_us",
+]
+
+
+def gen(out: Path, app: str = "debate", n: int = 3, seed: int = 1, rate: str = "2") -> int:
+    return main(
+        [
+            "trace",
+            "gen",
+            "--app",
+            app,
+            "--workflows",
+            str(n),
+            "--rate",
+            rate,
+            "--seed",
+            str(seed),
+            "-o",
+            str(out),
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("cli") / "debate.jsonl"
+    assert gen(p) == 0
+    return p
+
+
+def error_of(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run main(argv) expecting exit status 2; return stderr's last line."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse errors
+        rc = int(exc.code or 0)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err
+    return err.splitlines()[-1]
+
+
+# -- trace gen -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("app", ["pipeline", "mapreduce", "debate"])
+def test_trace_gen_writes_a_valid_deterministic_trace(
+    app: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, c = tmp_path / "a" / "t.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    assert gen(a, app, 4, seed=3) == 0
+    assert "wrote 4 workflows" in capsys.readouterr().out
+    assert gen(b, app, 4, seed=3) == 0
+    assert gen(c, app, 4, seed=4) == 0
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+    wfs = load_trace(a)
+    assert len(wfs) == 4 and all(w.app == app for w in wfs)
+    assert len(a.read_text().splitlines()) == 4
+
+
+def test_trace_gen_slack_scales_deadlines(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    base = ["trace", "gen", "--app", "mapreduce", "--workflows", "3", "--rate", "1"]
+    assert main([*base, "--slack", "2", "-o", str(a)]) == 0
+    assert main([*base, "--slack", "4", "-o", str(b)]) == 0
+    for x, y in zip(load_trace(a), load_trace(b), strict=True):
+        assert y.deadline_s == pytest.approx(2 * x.deadline_s, abs=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--app", "chat"], "--app"),
+        (["--workflows", "0"], "--workflows"),
+        (["--workflows", "x"], "--workflows"),
+        (["--rate", "-1"], "--rate"),
+        (["--rate", "inf"], "--rate"),
+        (["--slack", "0"], "--slack"),
+        (["--profile", "nope"], "nope"),
+    ],
+)
+def test_trace_gen_bad_flags(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = {"--app": "debate", "--workflows": "2", "--rate": "1", "-o": str(tmp_path / "t")}
+    for k, v in zip(args[::2], args[1::2], strict=True):
+        argv[k] = v
+    flat = ["trace", "gen"] + [x for kv in argv.items() for x in kv]
+    line = error_of(capsys, flat)
+    assert needle in line
+    assert not (tmp_path / "t").exists()
+
+
+# -- bench -----------------------------------------------------------------------------
+
+
+def test_bench_writes_results_plots_and_table(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "bench",
+            "--trace",
+            str(trace_file),
+            "--policies",
+            "least_loaded,kv_aware",
+            "--engines",
+            "2",
+            "--rates",
+            "1,2",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "least_loaded" in printed and "kv_aware" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert len(res["runs"]) == 4
+    for r in res["runs"]:
+        missing = [f for f in RESULT_FIELDS if f not in r]
+        assert not missing
+        assert r["trace"] == "debate.jsonl" and r["engines"] == 2
+    assert {(r["policy"], r["rate_scale"]) for r in res["runs"]} == {
+        ("least_loaded", 1.0),
+        ("least_loaded", 2.0),
+        ("kv_aware", 1.0),
+        ("kv_aware", 2.0),
+    }
+    for png in ("goodput.png", "p95_latency.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_defaults_to_rate_one_and_accepts_params(trace_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    rc = main(
+        [
+            "bench",
+            "--trace",
+            str(trace_file),
+            "--policies",
+            "wasma",
+            "--engines",
+            "2",
+            "--workers",
+            "1",
+            "--param",
+            "wasma.transfer=false",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["rate_scale"] == 1.0 and run["params"] == {"transfer": False}
+
+
+def bench_argv(trace: Path | str, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "bench",
+        "--trace",
+        str(trace),
+        "--engines",
+        "2",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    ]
+
+
+def test_bench_unknown_policy(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = error_of(capsys, bench_argv(trace_file, tmp_path, "--policies", "wasma,fastest"))
+    assert "--policies" in line and "'fastest'" in line and "least_loaded" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_of(capsys, bench_argv(tmp_path / "nope.jsonl", tmp_path))
+    assert "nope.jsonl" in line and "cannot read" in line
+
+
+@pytest.mark.parametrize("rates", ["1,x", "0", "-1,2", ","])
+def test_bench_bad_rates(
+    rates: str, trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = error_of(capsys, bench_argv(trace_file, tmp_path, "--rates", rates))
+    assert "--rates" in line
+
+
+def test_bench_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.jsonl"
+    assert gen(good, n=2) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good.read_text() + '{"workflow_id": "x", "nodes": [}\n')
+    capsys.readouterr()
+    line = error_of(capsys, bench_argv(bad, tmp_path))
+    assert "bad.jsonl:3:" in line and "invalid JSON" in line
+
+
+def test_bench_invalid_workflow_in_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(
+            {
+                "workflow_id": "w",
+                "nodes": [
+                    {"id": "a", "parents": ["ghost"], "output_tokens": 3, "prompt": [{"unique": 4}]}
+                ],
+            }
+        )
+        + "\n"
+    )
+    line = error_of(capsys, bench_argv(bad, tmp_path))
+    assert "bad.jsonl:1:" in line and "'ghost'" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--param", "wasma.transfer"], "--param"),
+        (["--param", "transfer=false"], "--param"),
+        (["--policies", "wasma", "--param", "kv_aware.overlap_score_weight=2"], "kv_aware"),
+        (["--profile", "nope"], "nope"),
+        (["--engines", "0"], "--engines"),
+    ],
+)
+def test_bench_other_bad_flags(
+    extra: list[str],
+    needle: str,
+    trace_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = error_of(capsys, bench_argv(trace_file, tmp_path, *extra))
+    assert needle in line
+
+
+def test_bench_unknown_policy_parameter(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = bench_argv(trace_file, tmp_path, "--policies", "wasma", "--param", "wasma.bogus=1")
+    assert main(argv) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_bench_unknown_policy_parameter_fails_fast_on_one_line(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = bench_argv(trace_file, tmp_path, "--policies", "wasma", "--param", "wasma.bogus=1")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("wasma: error: ") and "bogus" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_error_messages_are_one_line(trace_file: Path, tmp_path: Path) -> None:
+    """The console script prints exactly one line for errors it detects itself."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *bench_argv(tmp_path / "nope.jsonl", tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("wasma: error: ")
+
+
+def test_flag_errors_are_one_line(trace_file: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *bench_argv(trace_file, tmp_path, "--rates", "1,x")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_request_longer_than_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = tmp_path / "big.jsonl"
+    node = {"id": "a", "parents": [], "output_tokens": 5, "prompt": [{"unique": 200_000}]}
+    big.write_text(json.dumps({"workflow_id": "w", "nodes": [node]}) + "\n")
+    assert main(bench_argv(big, tmp_path, "--policies", "round_robin")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "big.jsonl" in err and "max_model_len" in err
