@@ -16,7 +16,7 @@ from engines.sim.core import SimEngineCore, SimRequest
 from engines.sim.profile import Profile
 from scheduler.policy import PolicyContext, RequestInfo, TransferPricer
 from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import LinkBandwidthPricer
+from scheduler.pricing import DeviceMappedPricer, hgx_devices
 from scheduler.registry import PolicyRegistry, default_registry
 from scheduler.router import Router
 from scheduler.state import ClusterState
@@ -78,6 +78,14 @@ class RunResult:
 _STEP, _READY = 0, 1
 
 
+def topology_pricer(engines: Sequence[str], preset: str = "hgx-h100") -> TransferPricer:
+    """The transfer planner on HGX nodes (8 GPUs on NVSwitch, 8x400G NICs a node)."""
+    from transfer import Planner, build_preset
+
+    nodes = -(-len(engines) // 8)
+    return DeviceMappedPricer(Planner(build_preset(preset, nodes)), hgx_devices(engines))
+
+
 class SimReplay:
     """One simulated run: a trace, a policy, N engines of one profile."""
 
@@ -111,7 +119,7 @@ class SimReplay:
             index=index,
             workflows=WorkflowRegistry(keep_finished=1000),
             profile=profile,
-            pricer=pricer or LinkBandwidthPricer(names),
+            pricer=pricer or topology_pricer(names),
             params=dict(params or {}),
         )
         reg = registry or default_registry()

@@ -3,7 +3,12 @@ given. Engines sit 8 to a node (NVSwitch inside, one 400G NIC per GPU between no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+
+class TransferPricer(Protocol):
+    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float: ...
 
 
 class LinkBandwidthPricer:
@@ -26,3 +31,21 @@ class LinkBandwidthPricer:
         bw = self.inter if cross else self.intra
         # Fan-out to several destinations is pipelined: about one copy plus a hop each.
         return self.latency_s * len(dsts) + num_bytes / bw
+
+
+class DeviceMappedPricer:
+    """Prices engine-to-engine moves with a device-level pricer (the topology planner),
+    given which device each engine runs on."""
+
+    def __init__(self, inner: TransferPricer, devices: Mapping[str, str]) -> None:
+        self.inner = inner
+        self.devices = dict(devices)
+
+    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float:
+        dev = self.devices
+        return self.inner.estimate_s(dev[src], [dev[d] for d in dsts], num_bytes)
+
+
+def hgx_devices(engines: Sequence[str], gpus_per_node: int = 8) -> dict[str, str]:
+    """Engine i on GPU i % 8 of node i // 8, the naming of the topology presets."""
+    return {e: f"n{i // gpus_per_node}.gpu{i % gpus_per_node}" for i, e in enumerate(engines)}
