@@ -138,6 +138,7 @@ class SimReplay:
         self._left: dict[str, int] = {}
         self._arrival: dict[str, float] = {}
         self._retained: dict[str, list[tuple[int, list[int]]]] = {}
+        self._macro: set[int] = set()  # engines in a macro step, synced before decisions
         self.records: list[RequestRecord] = []
         self.wf_records: list[WorkflowRecord] = []
 
@@ -147,7 +148,10 @@ class SimReplay:
         self._seq += 1
 
     def _start(self, slot: int, now: float) -> None:
-        end = self.engines[slot].start_step(now)
+        core = self.engines[slot]
+        end = core.start_step(now)
+        if core.in_macro:
+            self._macro.add(slot)
         if end >= 0:
             self._gen[slot] += 1
             self._push(end, _STEP, (slot, self._gen[slot]))
@@ -184,6 +188,10 @@ class SimReplay:
             deadline_s=deadline,
             parents=wf.nodes[node_id].parents,
         )
+        # Engines in a macro step bring their KV (and its events) up to now first.
+        engines = self.engines
+        for slot in self._macro:
+            engines[slot].sync(now)
         placement = self.router.route(info, now)
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
         if placement.retain:
@@ -258,6 +266,7 @@ class SimReplay:
                     if gen != self._gen[slot]:
                         continue
                     core = engines[slot]
+                    self._macro.discard(slot)
                     out = core.complete_step(now)
                     state.on_stats(slot, core.stats())
                     for req in out.first_tokens:
@@ -270,6 +279,7 @@ class SimReplay:
                         self._start(slot, now)
                 else:
                     slot, req, hashes, submitted = payload
+                    engines[slot].sync(now)
                     req.pinned_blocks = engines[slot].kv.seed_pinned(hashes)
                     self._arrival[req.request_id] = submitted
                     self._add(slot, req, now)

@@ -24,7 +24,6 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice, takewhile
 
 from engines.base import BlockRemoved, BlockStored, EngineStats, KVEvent
 from engines.sim.kv_cache import KVCache
@@ -70,6 +69,7 @@ class _Macro:
     k: int
     a: float
     b: float
+    applied: int = 1  # sub-steps whose block allocation has happened (the first: at start)
 
     def end_of(self, j: int) -> float:
         return self.start + (j + 1) * self.a + self.b * j * (j + 1) / 2
@@ -363,15 +363,6 @@ class SimEngineCore:
                 max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks)) for r in self.running
             )
 
-        # Sub-steps 2..k allocate in complete_step, at the macro's end; they must not evict
-        # cached blocks, whose BlockRemoved events would then reach the router late.
-        hash_of = self.kv.hash_of
-        free = sum(
-            1
-            for _ in takewhile(
-                lambda b: hash_of[b] is None, islice(self.kv.free, blocks_needed(kmax))
-            )
-        )
         if blocks_needed(kmax) <= free:
             return kmax
         lo, hi = 1, kmax
@@ -382,6 +373,10 @@ class SimEngineCore:
             else:
                 hi = mid - 1
         return lo
+
+    @property
+    def in_macro(self) -> bool:
+        return self._macro is not None and self.busy
 
     def interrupt(self, now: float) -> float | None:
         """A request arrived mid-step: end a macro step at the sub-step in flight.
@@ -402,7 +397,41 @@ class SimEngineCore:
             return None
         m.k = lo + 1
         self.step_end = m.end_of(lo)
+        self.sync(now)
         return self.step_end
+
+    def sync(self, now: float) -> None:
+        """Bring a macro step's KV up to `now`: the sub-steps scheduled by then have
+        allocated (evicting) and cached their blocks, as step-by-step they would have, so
+        the KV events the router sees are on time."""
+        m = self._macro
+        if m is None or not self.busy:
+            return
+        # Sub-step j > 0 is scheduled when sub-step j - 1 ends.
+        lo, hi = 0, m.k - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if m.end_of(mid) > now:
+                hi = mid
+            else:
+                lo = mid + 1
+        done = min(lo + 1, m.k)
+        if done > m.applied:
+            self._apply_substeps(done)
+            m.applied = done
+
+    def _apply_substeps(self, upto: int) -> None:
+        """Allocate and cache the blocks of the macro's first `upto` sub-steps."""
+        kv, bs = self.kv, self.block_size
+        for req, _n in self._scheduled:
+            total = req.num_computed_tokens + upto
+            need = -(-total // bs) - len(req.blocks)
+            if need > 0:
+                req.blocks.extend(kv.allocate(need))
+            full = total // bs
+            if full > req.num_cached_blocks:
+                kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
+                req.num_cached_blocks = full
 
     def complete_step(self, now: float) -> StepOutcome:
         """Apply the step in flight (it ended at `now`)."""
@@ -411,22 +440,14 @@ class SimEngineCore:
         self.steps += 1
         k = self._macro.k if self._macro is not None else 1
         self.busy_time += now - self._step_start
-        bs = self.block_size
         finished: list[SimRequest] = []
         first: list[SimRequest] = []
         tokens: list[tuple[SimRequest, int]] = []
         kv = self.kv
+        if self._macro is not None and self._macro.applied < k:
+            self._apply_substeps(k)
         for req, n in self._scheduled:
             if k > 1:
-                # Sub-steps 2..k of a macro: allocate and cache as each would have.
-                total = req.num_computed_tokens + k
-                need = -(-total // bs) - len(req.blocks)
-                if need > 0:
-                    req.blocks.extend(kv.allocate(need))
-                full = min(total, req.num_tokens + k - 1) // bs
-                if full > req.num_cached_blocks:
-                    kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
-                    req.num_cached_blocks = full
                 req.num_computed_tokens += k
                 req.num_output_tokens += k
                 tokens.append((req, k))

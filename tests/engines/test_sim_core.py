@@ -473,10 +473,19 @@ def test_fast_forward_emits_evictions_when_step_by_step_would() -> None:
         )
         p, a = request("p", 8, 1), request("a", 4, 12)
         core.add_request(p, 0.0)
+        start = 0.0
         t = core.start_step(0.0)
         while True:
+            # A driver syncs a macro step before it reads KV state mid-step; probing at
+            # every step boundary must see each eviction when step-by-step emits it.
+            probe = start + 1.0
+            while probe < t:
+                clock[0] = probe
+                core.sync(probe)
+                probe += 1.0
             clock[0] = t
             core.complete_step(t)
+            start = t
             if t == 1.0:
                 core.add_request(a, 1.0)
             if not core.has_work():

@@ -1,0 +1,70 @@
+"""Simulator speed: simulated requests per second of one core, and a large-cluster run.
+
+    python -m benchmarks.sim_speed                     # the three apps at 8 engines
+    python -m benchmarks.sim_speed --large             # + 1,024 engines, 100,000 workflows
+
+CPU time (time.process_time) is reported beside wall time: on a shared machine, wall time
+also counts other processes' turns on the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.apps import generate
+from benchmarks.sim_replay import SimReplay
+from engines.sim.profile import load_profile
+
+
+def measure(app: str, workflows: int, rate: float, engines: int, policy: str) -> dict[str, Any]:
+    profile = load_profile("llama3-8b-h100")
+    wfs = generate(app, workflows, rate, seed=11, profile=profile)
+    c0, t0 = time.process_time(), time.perf_counter()
+    run = SimReplay(wfs, policy, engines, profile).run()
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    n = len(run.requests)
+    return {
+        "app": app,
+        "policy": policy,
+        "engines": engines,
+        "workflows": workflows,
+        "requests": n,
+        "engine_steps": run.engine_steps,
+        "cpu_s": round(cpu, 2),
+        "wall_s": round(wall, 2),
+        "requests_per_cpu_s": round(n / cpu),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="out/sim-speed")
+    ap.add_argument("--large", action="store_true")
+    ap.add_argument("--large-workflows", type=int, default=100_000)
+    args = ap.parse_args(argv)
+    rows = []
+    # Loads near least_loaded's knee on 8 engines (see README): the cluster is busy.
+    for app, rate in (("pipeline", 3.0), ("mapreduce", 3.0), ("debate", 4.0)):
+        for policy in ("least_loaded", "wasma"):
+            row = measure(app, 500, rate, 8, policy)
+            rows.append(row)
+            print(json.dumps(row))
+    if args.large:
+        # 1,024 engines = 128 x the 8-engine load.
+        row = measure("mapreduce", args.large_workflows, 3.0 * 128, 1024, "least_loaded")
+        rows.append(row)
+        print(json.dumps(row))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim_speed.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
