@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from transfer import build_preset, plan_main
+from transfer.cli import plan_main as cli_plan_main
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = plan_main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        [
+            "--topology",
+            "preset:hgx-h100:2",
+            "--src",
+            "n0.gpu0",
+            "--dst",
+            "n0.gpu1,n1.gpu0,n1.gpu1",
+            "--bytes",
+            "1073741824",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"algorithm", "predicted_s", "steps"} <= set(data)
+    assert (
+        data["predicted_s"] > 0 and data["steps"] and all(isinstance(s, str) for s in data["steps"])
+    )
+    assert data["bytes"] == 1 << 30
+
+
+def test_text_output_and_units(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["--topology", "preset:pcie-8", "--src", "n0.gpu0", "--dst", "n0.gpu7", "--bytes", "64MiB"],
+        capsys,
+    )
+    assert code == 0
+    assert "predicted" in out and "n0.gpu7" in out
+
+
+def test_yaml_file_and_algorithm_filter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(build_preset("hgx-h200").to_dict()))
+    code, out, _ = run(
+        [
+            "--topology",
+            str(path),
+            "--src",
+            "n0.gpu0",
+            "--dst",
+            "n0.gpu1,n0.gpu2,n0.gpu3",
+            "--bytes",
+            "1000000000",
+            "--algorithms",
+            "chain",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert json.loads(out)["algorithm"] == "chain"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--topology", "preset:nope", "--src", "n0.gpu0", "--dst", "n0.gpu1", "--bytes", "1"],
+            "unknown preset",
+        ),
+        (
+            [
+                "--topology",
+                "preset:hgx-h100",
+                "--src",
+                "n0.gpu0",
+                "--dst",
+                "n0.gpu9",
+                "--bytes",
+                "1",
+            ],
+            "unknown device 'n0.gpu9'",
+        ),
+        (
+            [
+                "--topology",
+                "preset:hgx-h100",
+                "--src",
+                "n0.gpu0",
+                "--dst",
+                "n0.gpu1",
+                "--bytes",
+                "lots",
+            ],
+            "--bytes",
+        ),
+        (
+            [
+                "--topology",
+                "preset:hgx-h100",
+                "--src",
+                "n0.gpu0",
+                "--dst",
+                "n0.gpu1",
+                "--bytes",
+                "-5",
+            ],
+            "--bytes",
+        ),
+        (
+            ["--topology", "preset:hgx-h100", "--src", "n0.gpu0", "--dst", ",", "--bytes", "1"],
+            "--dst names no device",
+        ),
+        (["--topology", "preset:hgx-h100", "--src", "n0.gpu0"], "required"),
+        (
+            ["--topology", "/no/such/file.yaml", "--src", "a", "--dst", "b", "--bytes", "1"],
+            "neither a preset",
+        ),
+        (
+            [
+                "--topology",
+                "preset:hgx-h100",
+                "--src",
+                "n0.nvswitch",
+                "--dst",
+                "n0.gpu1",
+                "--bytes",
+                "1",
+            ],
+            "not a gpu",
+        ),
+        (
+            [
+                "--topology",
+                "preset:hgx-h100",
+                "--src",
+                "n0.gpu0",
+                "--dst",
+                "n0.gpu1",
+                "--bytes",
+                "1",
+                "--algorithms",
+                "teleport",
+            ],
+            "unknown algorithm",
+        ),
+    ],
+)
+def test_errors_are_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("wasma plan: error: ")
+    assert message in err
+
+
+def test_exported_from_package() -> None:
+    assert plan_main is cli_plan_main

@@ -1,0 +1,289 @@
+"""Candidate plan builders. Each returns hops; the planner prices them all with the same
+`LinkTable` and keeps the fastest.
+
+Pipelined plans (every hop cut into the same number of pieces k, each hop forwarding its
+parent's range) have a closed form: a piece leaves hop h after the pieces before it, so the
+last piece reaches the end of a root-to-leaf route after sum(t_h) + (k - 1) * max(t_h),
+t_h = alpha_h + bytes_h / (k * beta_h). `best_chunks` minimises that over k at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+import networkx as nx
+import numpy as np
+
+from transfer.costmodel import LinkTable
+from transfer.plan import Hop
+
+# Bytes used to rank "near" destinations: big enough that bandwidth matters, small enough
+# that latency still breaks ties between equally wide paths.
+_RANKING_BYTES = 1 << 20
+
+
+def distance_s(table: LinkTable, src: str, dst: str) -> float:
+    path = table.path(src, dst)
+    links = list(itertools.pairwise(path))
+    width = min(table.bandwidth(*link) for link in links)
+    return sum(table.latency(*link) for link in links) + _RANKING_BYTES / width
+
+
+def nearest_order(table: LinkTable, src: str, dsts: Sequence[str]) -> list[str]:
+    """Greedy nearest-neighbour tour from src: keeps a host's GPUs together in a chain."""
+    order: list[str] = []
+    left = list(dsts)
+    here = src
+    while left:
+        nxt = min(left, key=lambda d: (distance_s(table, here, d), d))
+        order.append(nxt)
+        left.remove(nxt)
+        here = nxt
+    return order
+
+
+class _Router:
+    """Picks each hop's path knowing the links earlier hops of the same plan (and round)
+    occupy, so concurrent hops spread over parallel links instead of queueing on one."""
+
+    def __init__(self, table: LinkTable) -> None:
+        self.table = table
+        self.busy: dict[int, Counter[tuple[str, str]]] = {}
+
+    def hop(
+        self,
+        src: str,
+        dst: str,
+        offset: int,
+        length: int,
+        after: int | None = None,
+        stage: int = 0,
+    ) -> Hop:
+        busy = self.busy.setdefault(stage, Counter())
+        path = self.table.path(src, dst, busy)
+        busy.update(itertools.pairwise(path))
+        return Hop(src, dst, path, offset, length, 1, after, stage)
+
+
+def with_chunks(hops: Sequence[Hop], chunks: int) -> list[Hop]:
+    return [replace(h, chunks=max(1, min(chunks, h.num_bytes or 1))) for h in hops]
+
+
+def best_chunks(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> int:
+    """Piece count minimising a pipelined plan's completion time (closed form over k)."""
+    if not hops:
+        return 1
+    costs = table.hop_costs(hops)
+    ks = np.arange(1, max(1, max_chunks) + 1, dtype=float)
+    alpha = np.array([c.alpha_s for c in costs])[:, None]
+    beta = np.array([c.bandwidth_Bps for c in costs])[:, None]
+    nbytes = np.array([float(h.num_bytes) for h in hops])[:, None]
+    piece = alpha + nbytes / (ks[None, :] * beta)  # t_h(k)
+    # Route sums/maxes accumulate down the tree; hops list parents first.
+    route_sum = np.empty_like(piece)
+    route_max = np.empty_like(piece)
+    for i, hop in enumerate(hops):
+        if hop.after is None:
+            route_sum[i], route_max[i] = piece[i], piece[i]
+        else:
+            route_sum[i] = route_sum[hop.after] + piece[i]
+            route_max[i] = np.maximum(route_max[hop.after], piece[i])
+    total = (route_sum + (ks[None, :] - 1) * route_max).max(axis=0)
+    return int(ks[int(np.argmin(total))])
+
+
+# builders ------------------------------------------------------------------------------
+def direct(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:
+    """The source sends the whole range to every destination at once."""
+    router = _Router(table)
+    return [router.hop(src, d, 0, num_bytes) for d in dsts]
+
+
+def chain(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:
+    """src -> d1 -> d2 -> ..., nearest first; pieces are forwarded as they arrive."""
+    router = _Router(table)
+    hops: list[Hop] = []
+    here = src
+    for dst in nearest_order(table, src, dsts):
+        hops.append(router.hop(here, dst, 0, num_bytes, after=len(hops) - 1 if hops else None))
+        here = dst
+    return hops
+
+
+def binomial_tree(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:
+    """Each round, every holder sends the whole range to its nearest new destination."""
+    router = _Router(table)
+    left = nearest_order(table, src, dsts)
+    holders: list[tuple[str, int | None]] = [(src, None)]
+    hops: list[Hop] = []
+    stage = 0
+    while left:
+        new_holders = []
+        for holder, got_by in holders:
+            if not left:
+                break
+            dst = min(left, key=lambda d, h=holder: (distance_s(table, h, d), d))  # type: ignore[misc]
+            left.remove(dst)
+            hops.append(router.hop(holder, dst, 0, num_bytes, after=got_by, stage=stage))
+            new_holders.append((dst, len(hops) - 1))
+        holders += new_holders
+        stage += 1
+    return hops
+
+
+def packed_trees(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:
+    """One depth-2 tree per destination d_j: src sends part j to d_j, which passes it to
+    all others. Every destination's out-link works, so a switch's bandwidth is used from
+    both sides (scatter + all-gather broadcast)."""
+    n = len(dsts)
+    bounds = [(j * num_bytes // n, (j + 1) * num_bytes // n) for j in range(n)]
+    router = _Router(table)
+    hops = [router.hop(src, d, lo, hi - lo) for d, (lo, hi) in zip(dsts, bounds, strict=True)]
+    for j, (owner, (lo, hi)) in enumerate(zip(dsts, bounds, strict=True)):
+        hops.extend(
+            router.hop(owner, other, lo, hi - lo, after=j) for other in dsts if other != owner
+        )
+    return hops
+
+
+def hierarchical(
+    table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int, *, leaders_in_chain: bool
+) -> list[Hop]:
+    """One inter-node hop per remote host (to the destination nearest the source), then
+    a pipelined chain inside each host over NVLink. Leaders get the data straight from
+    the source, or (`leaders_in_chain`) along a chain of leaders."""
+    topology = table.topology
+    src_host = topology.host_of(src)
+    by_host: dict[str, list[str]] = {}
+    for d in dsts:
+        by_host.setdefault(topology.host_of(d), []).append(d)
+    hops: list[Hop] = []
+    router = _Router(table)
+
+    def fan_out(root: str, root_hop: int | None, members: list[str]) -> None:
+        here, after = root, root_hop
+        for dst in nearest_order(table, root, members):
+            hops.append(router.hop(here, dst, 0, num_bytes, after=after))
+            here, after = dst, len(hops) - 1
+
+    remote = [h for h in by_host if h != src_host]
+    leaders = {h: min(by_host[h], key=lambda d: (distance_s(table, src, d), d)) for h in remote}
+    here, after = src, None
+    for leader in nearest_order(table, src, list(leaders.values())):
+        sender, sender_hop = (here, after) if leaders_in_chain else (src, None)
+        hops.append(router.hop(sender, leader, 0, num_bytes, after=sender_hop))
+        here, after = leader, len(hops) - 1
+        host = topology.host_of(leader)
+        fan_out(leader, after, [d for d in by_host[host] if d != leader])
+    if src_host in by_host:
+        fan_out(src, None, by_host[src_host])
+    return hops
+
+
+def stripes(table: LinkTable, src: str, dst: str, num_bytes: int, max_paths: int = 4) -> list[Hop]:
+    """Split one transfer over several paths, bytes in proportion to each path's share
+    of the max flow (then evened out so all stripes finish together)."""
+    paths = flow_paths(table, src, dst, max_paths)
+    if len(paths) < 2:
+        return []
+    hops = [Hop(src, dst, p, 0, 0) for p in paths]
+    costs = table.hop_costs(hops)
+    # Equal finish: bytes_i = beta_i * (T - alpha_i), sum bytes_i = num_bytes.
+    live = list(range(len(hops)))
+    while True:
+        total_beta = sum(costs[i].bandwidth_Bps for i in live)
+        finish = (
+            num_bytes + sum(costs[i].bandwidth_Bps * costs[i].alpha_s for i in live)
+        ) / total_beta
+        slow = [i for i in live if costs[i].alpha_s >= finish]
+        if not slow or len(live) == 1:
+            break
+        live = [i for i in live if i not in slow]
+    if len(live) < 2:
+        return []
+    shares = [costs[i].bandwidth_Bps * max(0.0, finish - costs[i].alpha_s) for i in live]
+    scale = num_bytes / sum(shares)
+    out: list[Hop] = []
+    offset = 0
+    for n, (i, share) in enumerate(zip(live, shares, strict=True)):
+        length = num_bytes - offset if n == len(live) - 1 else int(share * scale)
+        out.append(replace(hops[i], offset_bytes=offset, num_bytes=length))
+        offset += length
+    return [h for h in out if h.num_bytes > 0]
+
+
+def rail_stripes(table: LinkTable, src: str, dst: str, num_bytes: int) -> list[Hop]:
+    """Stripe a move between hosts over every rail (PXN-style): part r goes over NVLink
+    to the source host's GPU r, out through that GPU's own NIC to GPU r on the destination
+    host, and over NVLink into dst. With one NIC per GPU, all NICs carry the transfer."""
+    topology = table.topology
+    src_host, dst_host = topology.host_of(src), topology.host_of(dst)
+    if src_host == dst_host:
+        return []
+    src_side = _host_gpus(table, src_host)
+    dst_side = _host_gpus(table, dst_host)
+    rails = list(zip(src_side, dst_side, strict=False))
+    if len(rails) < 2:
+        return []
+    hops: list[Hop] = []
+    router = _Router(table)
+    for r, (near, far) in enumerate(rails):
+        lo, hi = r * num_bytes // len(rails), (r + 1) * num_bytes // len(rails)
+        after = None
+        if near != src:
+            hops.append(router.hop(src, near, lo, hi - lo))
+            after = len(hops) - 1
+        hops.append(router.hop(near, far, lo, hi - lo, after=after))
+        if far != dst:
+            hops.append(router.hop(far, dst, lo, hi - lo, after=len(hops) - 1))
+    return hops
+
+
+def _host_gpus(table: LinkTable, host: str) -> list[str]:
+    # Rail order: GPU i pairs with GPU i of the other host (rail-optimised fabrics wire
+    # NIC i of every node to the same leaf).
+    gpus = [g for g in table.topology.gpus() if table.topology.host_of(g) == host]
+    return sorted(gpus, key=lambda g: (len(g), g))
+
+
+def flow_paths(table: LinkTable, src: str, dst: str, max_paths: int) -> list[tuple[str, ...]]:
+    """Decompose a max flow from src to dst (GPUs only as endpoints) into paths, widest
+    first."""
+    graph = nx.DiGraph()
+    topology = table.topology
+    for link in topology.links():
+        for a, b in ((link.u, link.v), (link.v, link.u)):  # capacities from the live table
+            if table.is_down(a, b) or b == src or a == dst:
+                continue
+            if (topology.kind_of(a) == "gpu" and a != src) or (
+                topology.kind_of(b) == "gpu" and b != dst
+            ):
+                continue
+            graph.add_edge(a, b, capacity=table.bandwidth(a, b))
+    if src not in graph or dst not in graph:
+        return []
+    _, flow = nx.maximum_flow(graph, src, dst)
+    paths: list[tuple[tuple[str, ...], float]] = []
+    while len(paths) < max_paths:
+        path = [src]
+        seen = {src}
+        while path[-1] != dst:
+            step = max(flow[path[-1]].items(), key=lambda kv: kv[1], default=(None, 0.0))
+            if step[0] is None or step[1] <= 0 or step[0] in seen:
+                break
+            path.append(step[0])
+            seen.add(step[0])
+        if path[-1] != dst:
+            break
+        amount = min(flow[a][b] for a, b in itertools.pairwise(path))
+        for a, b in itertools.pairwise(path):
+            flow[a][b] -= amount
+        paths.append((tuple(path), amount))
+    if not paths:
+        return []
+    top = paths[0][1]
+    # Stripes that would carry a sliver cost a message each and gain nothing.
+    return [p for p, amount in paths if amount >= 0.05 * top]
