@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--concurrency", type=_positive_int, default=256, help="max requests in flight")
     rp.add_argument("--timeout", type=_positive_float, default=600.0, help="per request, seconds")
     rp.add_argument("--no-progress", action="store_true")
+    rp.add_argument(
+        "--register-workflows",
+        action="store_true",
+        help="POST each workflow's DAG to /v1/workflows when it arrives (wasma gateways)",
+    )
 
     sv = sub.add_parser("serve", help="run the OpenAI-compatible gateway and router")
     sv.add_argument("--engines", required=True, help="sim:N | vllm:N | openai:URL[,URL...]")
@@ -280,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scheduler.trace import TraceError
     from scheduler.workflow import WorkflowError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        # The planner owns its flags; argparse's REMAINDER cannot forward leading options.
+        from transfer.cli import plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {

@@ -330,3 +330,28 @@ def test_bench_request_longer_than_the_model(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "big.jsonl" in err and "max_model_len" in err
+
+
+def test_plan_subcommand_forwards_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.cli import main
+
+    rc = main(
+        [
+            "plan",
+            "--topology",
+            "preset:hgx-h100",
+            "--src",
+            "n0.gpu0",
+            "--dst",
+            "n0.gpu1",
+            "--bytes",
+            "1000000",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_s"] > 0 and out["algorithm"]
+    assert (
+        main(["plan", "--topology", "preset:nope", "--src", "a", "--dst", "b", "--bytes", "1"]) == 2
+    )
