@@ -1,0 +1,199 @@
+"""From `--engines` and friends to a running router service (in-process or a Ray actor).
+
+`ServiceConfig` is plain data, so the same description builds the service in the gateway
+process or inside `RouterActor` on any Ray node; engines are created where the router
+runs because they live on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from deploy.metrics import WasmaMetrics
+from deploy.ray_channel import ChannelServer
+from deploy.router_service import RouterService, ServiceRequest
+from engines.base import EngineClient
+from engines.sim.profile import Profile, load_profile
+
+DEFAULT_SIM_PROFILE = "llama3-8b-h100"
+
+
+class EngineSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """`sim:N`, `vllm:N` or `openai:URL[,URL...]`."""
+
+    kind: str
+    count: int
+    urls: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> EngineSpec:
+        kind, sep, rest = text.partition(":")
+        kind = kind.strip().lower()
+        if not sep or not rest.strip():
+            raise EngineSpecError(
+                f"--engines {text!r}: expected sim:N, vllm:N or openai:URL[,URL...]"
+            )
+        if kind == "openai":
+            urls = tuple(u.strip().rstrip("/") for u in rest.split(",") if u.strip())
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise EngineSpecError(f"--engines: {u!r} is not an http(s) URL")
+            return cls("openai", len(urls), urls)
+        if kind in ("sim", "vllm"):
+            try:
+                n = int(rest)
+            except ValueError:
+                raise EngineSpecError(f"--engines {text!r}: N must be an integer") from None
+            if not 1 <= n <= 1024:
+                raise EngineSpecError(f"--engines {text!r}: N must be in 1..1024")
+            return cls(kind, n)
+        raise EngineSpecError(f"--engines {text!r}: unknown engine kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    engines: EngineSpec
+    policy: str = "wasma"
+    profile: str | None = None
+    model: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    sim_speed: float = 1.0
+    max_outstanding: int = 8192
+    # openai engines: where each server publishes KV events (tcp://host:port), by index.
+    kv_events: tuple[str, ...] = ()
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def resolve_profile(cfg: ServiceConfig) -> Profile:
+    """The policy's cost model; for real engines the block size is fixed up later from
+    the engines themselves."""
+    name = cfg.profile
+    if name is None:
+        name = "tiny-cpu" if cfg.engines.kind != "sim" else DEFAULT_SIM_PROFILE
+        try:
+            return load_profile(name)
+        except ValueError:
+            return load_profile(DEFAULT_SIM_PROFILE)
+    return load_profile(name)
+
+
+async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClient]:
+    spec = cfg.engines
+    if spec.kind == "sim":
+        from engines.sim_engine import SimEngine
+
+        return [SimEngine(f"sim{i}", profile, speed=cfg.sim_speed) for i in range(spec.count)]
+    if spec.kind == "openai":
+        from engines.openai_engine import OpenAIEngine
+
+        engines: list[EngineClient] = []
+        for i, url in enumerate(spec.urls):
+            kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
+            eng = OpenAIEngine(f"vllm{i}", url, kv_events_endpoint=kv, **dict(cfg.engine_options))
+            await eng.start()
+            engines.append(eng)
+        return engines
+    if cfg.model is None:
+        raise EngineSpecError("--engines vllm:N needs --model DIR")
+    return await _build_vllm(cfg)
+
+
+async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
+    """vLLM engines, each in its own Ray actor when the actor proxy is available, else
+    in this process (one EngineCore child process each)."""
+    from engines.vllm_engine import VLLMEngineConfig
+
+    assert cfg.model is not None
+    vcfg = VLLMEngineConfig(model=cfg.model, **dict(cfg.engine_options))
+    try:
+        from engines import vllm_actor
+    except ImportError:
+        from engines.vllm_engine import VLLMEngine
+
+        return list(
+            await asyncio.gather(
+                *(VLLMEngine.launch(f"vllm{i}", vcfg) for i in range(cfg.engines.count))
+            )
+        )
+    launch = vllm_actor.RayVLLMEngine.launch
+    return list(await asyncio.gather(*(launch(f"vllm{i}", vcfg) for i in range(cfg.engines.count))))
+
+
+async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None) -> RouterService:
+    profile = resolve_profile(cfg)
+    engines = await build_engines(cfg, profile)
+    kv_blocks = getattr(engines[0], "num_kv_blocks", None)
+    if isinstance(kv_blocks, int) and kv_blocks > 0:
+        profile = replace(profile, num_kv_blocks=kv_blocks)
+    service = RouterService(
+        engines,
+        profile,
+        policy=cfg.policy,
+        params=cfg.params,
+        metrics=metrics,
+        max_outstanding=cfg.max_outstanding,
+    )
+    await service.start()
+    return service
+
+
+class RouterActor:
+    """The router service as an async Ray actor (`ray.remote(RouterActor)`); requests
+    travel in batches over `ChannelServer` (see deploy/ray_channel.py)."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.service: RouterService | None = None
+        self.channels: ChannelServer | None = None
+
+    async def start(self) -> list[str]:
+        if self.service is None:
+            self.service = await build_service(self.cfg)
+            self.channels = ChannelServer(self.service)
+        return self.service.engine_names()
+
+    def _svc(self) -> RouterService:
+        assert self.service is not None, "RouterActor.start() was not called"
+        return self.service
+
+    def _chan(self) -> ChannelServer:
+        assert self.channels is not None, "RouterActor.start() was not called"
+        return self.channels
+
+    async def submit(self, channel: str, batch: list[tuple[ServiceRequest, bool]]) -> None:
+        self._chan().submit(channel, batch)
+
+    async def cancel(self, channel: str, request_ids: list[str]) -> None:
+        self._chan().cancel(channel, request_ids)
+
+    async def results(self, channel: str) -> AsyncIterator[list[Any]]:
+        async for batch in self._chan().results(channel):
+            yield batch
+
+    async def register_workflow(self, data: dict[str, Any], tenant: str) -> dict[str, Any]:
+        return self._svc().register_workflow(data, tenant)
+
+    async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]:
+        return self._svc().workflow_status(workflow_id, tenant)
+
+    async def health(self) -> dict[str, Any]:
+        return self._svc().health()
+
+    async def render_metrics(self, http_codes: dict[int, int]) -> tuple[bytes, str]:
+        return self._svc().render_metrics(http_codes)
+
+    async def close(self) -> None:
+        if self.service is not None:
+            await self.service.close()
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,105 @@
+"""How the gateway reaches the router: in-process, or an async Ray actor.
+
+Both clients answer the same calls, so the gateway never knows where the router runs.
+Across Ray, requests are multiplexed over one channel per gateway (deploy/ray_channel.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+from deploy.ray_channel import ChannelClient
+from deploy.router_service import RouterService, ServiceRequest, ServiceResult
+from engines.base import TokenChunk
+
+
+class TokenStream(Protocol):
+    engine: str
+    kind: str
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RouterClient(Protocol):
+    async def open(self, req: ServiceRequest) -> TokenStream: ...
+
+    async def complete(self, req: ServiceRequest) -> ServiceResult: ...
+
+    async def register_workflow(self, data: Mapping[str, Any], tenant: str) -> dict[str, Any]: ...
+
+    async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalRouterClient:
+    """The router service in this process (tests, `--router-in-process`, benchmarks)."""
+
+    def __init__(self, service: RouterService, owns: bool = True) -> None:
+        self.service = service
+        self._owns = owns
+
+    async def open(self, req: ServiceRequest) -> TokenStream:
+        return await self.service.open(req)
+
+    async def complete(self, req: ServiceRequest) -> ServiceResult:
+        return await self.service.complete(req)
+
+    async def register_workflow(self, data: Mapping[str, Any], tenant: str) -> dict[str, Any]:
+        return self.service.register_workflow(data, tenant)
+
+    async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]:
+        return self.service.workflow_status(workflow_id, tenant)
+
+    async def health(self) -> dict[str, Any]:
+        return self.service.health()
+
+    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]:
+        return self.service.render_metrics(http_codes)
+
+    async def close(self) -> None:
+        if self._owns:
+            await self.service.close()
+
+
+class RayRouterClient:
+    """The router service inside an async Ray actor (`RouterActor`)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self._channel = ChannelClient(handle)
+
+    async def open(self, req: ServiceRequest) -> TokenStream:
+        return await self._channel.open(req)
+
+    async def complete(self, req: ServiceRequest) -> ServiceResult:
+        return await self._channel.complete(req)
+
+    async def register_workflow(self, data: Mapping[str, Any], tenant: str) -> dict[str, Any]:
+        out: dict[str, Any] = await self.handle.register_workflow.remote(dict(data), tenant)
+        return out
+
+    async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]:
+        out: dict[str, Any] = await self.handle.workflow_status.remote(workflow_id, tenant)
+        return out
+
+    async def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = await self.handle.health.remote()
+        return out
+
+    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]:
+        out: tuple[bytes, str] = await self.handle.render_metrics.remote(dict(http_codes))
+        return out
+
+    async def close(self) -> None:
+        await self._channel.close()
+        with contextlib.suppress(Exception):
+            await self.handle.close.remote()

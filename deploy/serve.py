@@ -1,0 +1,303 @@
+"""`wasma serve`: engines + router (a Ray actor) + the OpenAI gateway under uvicorn.
+
+    wasma serve --engines sim:4 --policy wasma
+    wasma serve --engines vllm:2 --model DIR --policy wasma
+    wasma serve --engines openai:http://h1:8000,http://h2:8000 --kv-events tcp://h1:5557,...
+
+API keys come from `WASMA_API_KEYS` (comma-separated) or `--api-key-file` (one a line);
+with neither, the gateway is open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import yaml
+from fastapi import FastAPI
+
+from deploy.build import EngineSpec, RouterActor, ServiceConfig, build_service, resolve_profile
+from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_app
+from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
+from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_api_keys(path: str | None, env: Mapping[str, str]) -> tuple[str, ...]:
+    keys: list[str] = []
+    raw = env.get("WASMA_API_KEYS", "")
+    keys += [k.strip() for k in raw.split(",") if k.strip()]
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        keys += [
+            line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
+        ]
+    return tuple(dict.fromkeys(keys))
+
+
+def load_config_file(path: str | None) -> dict[str, Any]:
+    """`--config FILE` (YAML): `params` (policy parameters), `sim_speed`,
+    `max_outstanding`, `engine_options`, `kv_events`, `gateway` (GatewayConfig fields)."""
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must be a mapping")
+    known = {"params", "sim_speed", "max_outstanding", "engine_options", "kv_events", "gateway"}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
+    return data
+
+
+class TokenIdsOnly:
+    """For remote engines whose tokenizer the gateway cannot load: token-id prompts only."""
+
+    vocab_size = UNKNOWN_VOCAB  # the engines validate ids themselves
+
+    def encode(self, text: str) -> list[int]:
+        from deploy.openai_api import ApiError
+
+        raise ApiError(
+            400,
+            "this gateway has no tokenizer (start it with --model DIR): send token ids",
+            param="prompt",
+        )
+
+    def decode(self, ids: Any) -> str:
+        return ""
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("")
+
+
+def _remote_model(urls: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """Model ids served by the first reachable remote, and a local dir holding it."""
+    import httpx
+
+    for url in urls:
+        try:
+            data = httpx.get(url + "/v1/models", timeout=10).json()
+        except Exception:
+            continue
+        ids = [m.get("id") for m in data.get("data", []) if m.get("id")]
+        roots = [m.get("root") or m.get("id") for m in data.get("data", [])]
+        local = next((r for r in roots if r and Path(r).is_dir()), None)
+        return ids, local
+    return [], None
+
+
+def gateway_setup(
+    cfg: ServiceConfig, api_keys: tuple[str, ...], served_name: str | None, gw: Mapping[str, Any]
+) -> tuple[Tokenizer, GatewayConfig]:
+    names: list[str] = []
+    tokenizer: Tokenizer
+    model_dir = cfg.model
+    if cfg.engines.kind == "openai":
+        remote, local = _remote_model(cfg.engines.urls)
+        names += remote
+        model_dir = model_dir or local
+    if cfg.engines.kind == "sim":
+        tokenizer = ByteTokenizer(resolve_profile(cfg).vocab_size)
+        names.append("wasma-sim")
+    elif model_dir:
+        tokenizer = HFTokenizer(model_dir)
+        names += [model_dir, Path(model_dir).name]
+    else:
+        tokenizer = TokenIdsOnly()
+    if served_name:
+        names.insert(0, served_name)
+    known = {f.name for f in fields(GatewayConfig)} - {"model_names", "api_keys"}
+    unknown = set(gw) - known
+    if unknown:
+        raise ConfigError(
+            f"--config gateway: unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
+    gcfg = GatewayConfig(
+        model_names=tuple(dict.fromkeys(names)) or ("wasma",),
+        api_keys=api_keys,
+        **dict(gw),
+    )
+    return tokenizer, gcfg
+
+
+def local_router_factory(cfg: ServiceConfig) -> Any:
+    async def factory() -> RouterClient:
+        return LocalRouterClient(await build_service(cfg))
+
+    return factory
+
+
+def ray_router_factory(cfg: ServiceConfig) -> Any:
+    async def factory() -> RouterClient:
+        import ray
+
+        actor_cls: Any = ray.remote(RouterActor)
+        # An async actor runs its methods as coroutines on one loop; the concurrency cap
+        # bounds requests in flight, so set it above the router's own admission limit.
+        handle = actor_cls.options(
+            name="wasma-router",
+            max_concurrency=max(cfg.max_outstanding * 2, 1000),
+            num_cpus=0,
+            get_if_exists=False,
+        ).remote(cfg)
+        engines = await handle.start.remote()
+        log.info("router actor up with engines %s", engines)
+        return RayRouterClient(handle)
+
+    return factory
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    spec = EngineSpec.parse(args.engines)
+    file_cfg = load_config_file(getattr(args, "config", None))
+    kv_events = tuple(
+        e.strip() for e in (getattr(args, "kv_events", None) or "").split(",") if e.strip()
+    ) or tuple(file_cfg.get("kv_events", ()))
+    cfg = ServiceConfig(
+        engines=spec,
+        policy=args.policy,
+        profile=args.profile,
+        model=args.model,
+        params=file_cfg.get("params", {}),
+        sim_speed=float(getattr(args, "sim_speed", None) or file_cfg.get("sim_speed", 1.0)),
+        max_outstanding=int(file_cfg.get("max_outstanding", 8192)),
+        kv_events=kv_events,
+        engine_options=file_cfg.get("engine_options", {}),
+    )
+    from scheduler.registry import default_registry
+
+    if cfg.policy not in default_registry().names():
+        raise ConfigError(
+            f"unknown policy {cfg.policy!r}; choose from: {', '.join(default_registry().names())}"
+        )
+    resolve_profile(cfg)  # fail fast on a bad --profile
+    if spec.kind == "vllm" and not cfg.model:
+        raise ConfigError("--engines vllm:N needs --model DIR (e.g. from `wasma tiny-model DIR`)")
+    if cfg.model and not Path(cfg.model).is_dir():
+        raise ConfigError(f"--model {cfg.model}: no such directory")
+    keys = load_api_keys(args.api_key_file, os.environ)
+    tokenizer, gcfg = gateway_setup(
+        cfg, keys, getattr(args, "served_model_name", None), file_cfg.get("gateway", {})
+    )
+    if getattr(args, "router_in_process", False):
+        factory = local_router_factory(cfg)
+    else:
+        import ray
+
+        if args.address:
+            ray.init(address=args.address)
+        else:
+            ray.init(include_dashboard=False)
+        factory = ray_router_factory(cfg)
+    app = create_app(factory, tokenizer, gcfg)
+    log.info(
+        "wasma gateway on http://%s:%d (policy %s, engines %s, auth %s)",
+        args.host,
+        args.port,
+        cfg.policy,
+        args.engines,
+        "on" if keys else "off",
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        timeout_keep_alive=30,
+    )
+    return 0
+
+
+# -- running a gateway in a thread (tests, benchmarks, demos) ---------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn serving `app` on a loopback port in a background thread."""
+
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, loop: str = "asyncio"
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(
+            app,
+            host=self.host,
+            port=self.port,
+            loop=loop,
+            http="httptools",
+            access_log=False,
+            log_level="warning",
+            lifespan="on",
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="wasma-gateway", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"gateway failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start in time")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,306 @@
+"""A remote `vllm serve` as an engine: tokens over HTTP, load from /metrics, KV over ZMQ.
+
+- tokens: `POST /v1/completions` with the prompt as token ids, streamed (SSE), with
+  `return_token_ids` so the router sees the exact ids (children reuse them) and
+  `stream_options.include_usage` so the prefix-cache hit comes back (vLLM fills
+  `prompt_tokens_details.cached_tokens` when started with `--enable-prompt-tokens-details`);
+- load: `/metrics` scraped every `scrape_interval_s` into `EngineStats`;
+- KV events: the server's ZMQ publisher (`--kv-events-config`), msgpack `KVEventBatch`es,
+  re-keyed by wasma chain hashes over their token ids (the translator `engines.vllm_engine`
+  uses for in-process engines), so the cluster prefix index matches what the router
+  hashes, without knowing the server's hash seed (Dynamo's approach).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import msgspec
+
+from deploy.vllm_metrics import VllmMetrics, parse_vllm_metrics
+from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
+from engines.vllm_engine import KVEventTranslator
+
+log = logging.getLogger(__name__)
+
+
+# -- vLLM's KV event wire format (vllm/distributed/kv_events.py), mirrored so the router
+#    can decode it without importing vLLM. Unknown fields are ignored, so newer servers
+#    that add fields still decode.
+
+
+class _KVEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_KVEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(_KVEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(_KVEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class RemoteEngineError(RuntimeError):
+    """The server failed (5xx, connection lost): the engine's fault, not the client's."""
+
+
+class OpenAIEngine(EngineClient):
+    """One remote vLLM OpenAI server. `await start()` before use."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        kv_events_endpoint: str | None = None,
+        block_size: int | None = None,
+        scrape_interval_s: float = 0.5,
+        request_timeout_s: float = 600.0,
+        stale_after_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.block_size = block_size or 16
+        self.num_kv_blocks = 0
+        self.max_model_len: int | None = None
+        self._fixed_block_size = block_size is not None
+        self._kv_endpoint = kv_events_endpoint
+        self._scrape_interval_s = scrape_interval_s
+        self._stale_after_s = stale_after_s
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            transport=transport,
+            timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self._sinks: list[KVEventSink] = []
+        self._translator = KVEventTranslator(name, self.block_size)
+        self._last: VllmMetrics | None = None
+        self._last_ok = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.events_received = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.model is None:
+            resp = await self._http.get("/v1/models")
+            resp.raise_for_status()
+            data = resp.json().get("data") or [{}]
+            self.model = data[0].get("id")
+            if data[0].get("max_model_len"):
+                self.max_model_len = int(data[0]["max_model_len"])
+        await self._scrape()
+        if self._last is not None:
+            if not self._fixed_block_size and self._last.block_size_tokens:
+                # The server's block size decides how its KV events chain tokens.
+                self.block_size = self._last.block_size_tokens
+                self._translator = KVEventTranslator(self.name, self.block_size)
+            if self._last.num_gpu_blocks:
+                self.num_kv_blocks = self._last.num_gpu_blocks
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._scrape_loop()))
+        if self._kv_endpoint:
+            self._tasks.append(loop.create_task(self._kv_loop(self._kv_endpoint)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        await self._http.aclose()
+
+    # -- load ------------------------------------------------------------------------
+    async def _scrape(self) -> None:
+        try:
+            resp = await self._http.get("/metrics", timeout=5.0)
+            resp.raise_for_status()
+            self._last = parse_vllm_metrics(resp.text)
+            self._last_ok = time.monotonic()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("engine %s: /metrics scrape failed: %s", self.name, exc)
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._scrape_interval_s)
+            await self._scrape()
+
+    async def stats(self) -> EngineStats:
+        m = self._last or VllmMetrics()
+        return EngineStats(
+            num_running=int(m.num_requests_running or 0),
+            num_waiting=int(m.num_requests_waiting or 0),
+            kv_usage=float(m.kv_cache_usage_ratio or 0.0),
+            num_kv_blocks=self.num_kv_blocks or int(m.num_gpu_blocks or 0),
+            prefix_cache_queries_tokens=int(m.prefix_cache_queries_tokens or 0),
+            prefix_cache_hits_tokens=int(m.prefix_cache_hits_tokens or 0),
+        )
+
+    async def healthy(self) -> bool:
+        # A server whose /metrics answered recently is up; otherwise ask /health.
+        if time.monotonic() - self._last_ok < self._stale_after_s:
+            return True
+        try:
+            resp = await self._http.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    # -- KV events -------------------------------------------------------------------
+    def subscribe_kv_events(self, sink: KVEventSink) -> None:
+        self._sinks.append(sink)
+
+    def handle_kv_payload(self, payload: bytes) -> None:
+        """Decode one published batch and hand its translated events to the sinks."""
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        for event in batch.events:
+            self.events_received += 1
+            for out in self._translator.translate(event):
+                for sink in self._sinks:
+                    sink(out)
+
+    async def _kv_loop(self, endpoint: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.connect(endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                # (topic, sequence number, payload); older publishers send (topic, payload).
+                try:
+                    self.handle_kv_payload(frames[-1])
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("engine %s: undecodable KV event batch: %s", self.name, exc)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    # -- tokens ----------------------------------------------------------------------
+    def _body(self, request: GenerateRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": request.prompt_token_ids,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "ignore_eos": request.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        if request.priority:
+            # Only servers started with --scheduling-policy priority accept it.
+            body["priority"] = request.priority
+        for key in ("top_p", "seed", "stop", "stop_token_ids", "min_tokens"):
+            if key in request.extra:
+                body[key] = request.extra[key]
+        return body
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        body = self._body(request)
+        headers = {"x-request-id": request.request_id}
+        try:
+            async with self._http.stream(
+                "POST", "/v1/completions", json=body, headers=headers
+            ) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")
+                    if resp.status_code < 500:
+                        raise ValueError(_error_message(text, resp.status_code))
+                    raise RemoteEngineError(f"{self.name}: HTTP {resp.status_code}: {text[:300]}")
+                # The finishing chunk is held back until the usage event that follows it
+                # (it carries the cache hit), so `finished` comes exactly once, last.
+                last: TokenChunk | None = None
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise RemoteEngineError(f"{self.name}: {event['error']}")
+                    chunk = _chunk_of(event)
+                    if chunk is None:
+                        continue
+                    if not chunk.token_ids and chunk.finish_reason is None and last is not None:
+                        last = replace(last, num_cached_tokens=chunk.num_cached_tokens)
+                    elif chunk.finished:
+                        if last is not None:
+                            yield replace(last, finished=False, finish_reason=None)
+                        last = chunk
+                    else:
+                        yield chunk
+                if last is None:
+                    raise RemoteEngineError(f"{self.name}: stream ended without finishing")
+                yield last
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _chunk_of(event: dict[str, Any]) -> TokenChunk | None:
+    """One SSE event as a chunk; the final usage event carries the cache hit."""
+    choices = event.get("choices") or []
+    usage = event.get("usage")
+    cached = None
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+    if not choices:
+        if usage is None:
+            return None
+        return TokenChunk((), False, None, cached)
+    choice = choices[0]
+    reason = choice.get("finish_reason")
+    ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
+    return TokenChunk(ids, reason is not None, reason, cached, choice.get("text") or "")
+
+
+def _error_message(text: str, status: int) -> str:
+    try:
+        err = json.loads(text)
+        if isinstance(err, dict):
+            inner = err.get("error", err)
+            if isinstance(inner, dict) and "message" in inner:
+                return str(inner["message"])
+            if "message" in err:
+                return str(err["message"])
+    except ValueError:
+        pass
+    return f"HTTP {status}: {text[:300]}"

