@@ -378,6 +378,7 @@ class RouterService:
             block_hashes=hash_token_blocks(req.prompt_token_ids, self.block_size),
             arrival_s=now,
             deadline_s=wst.deadline_s,
+            parents=ident.parents,
         )
         try:
             placement = self.router.route(info, now)
