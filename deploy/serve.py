@@ -66,12 +66,30 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must be a mapping")
-    known = {"params", "sim_speed", "max_outstanding", "engine_options", "kv_events", "gateway"}
+    known = {
+        "policy",
+        "params",
+        "sim_speed",
+        "max_outstanding",
+        "engine_options",
+        "kv_events",
+        "gateway",
+    }
     unknown = set(data) - known
     if unknown:
         raise ConfigError(
             f"--config {path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
         )
+    # The Helm chart writes `policy: {name, params}`; its params are the policy's.
+    policy = data.pop("policy", None)
+    if policy is not None:
+        if not isinstance(policy, dict) or set(policy) - {"name", "params"}:
+            raise ConfigError(f"--config {path}: policy must be a mapping of name and params")
+        if "params" in data and policy.get("params"):
+            raise ConfigError(f"--config {path}: give policy params once, not in both places")
+        data["params"] = policy.get("params") or data.get("params", {})
+        if policy.get("name"):
+            data["policy_name"] = str(policy["name"])
     return data
 
 
@@ -195,6 +213,9 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     from scheduler.registry import default_registry
 
+    named = file_cfg.get("policy_name")
+    if named and named != cfg.policy:
+        raise ConfigError(f"--policy {cfg.policy} disagrees with the config file's {named}")
     if cfg.policy not in default_registry().names():
         raise ConfigError(
             f"unknown policy {cfg.policy!r}; choose from: {', '.join(default_registry().names())}"

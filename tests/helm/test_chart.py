@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,14 @@ def test_policy_params_reach_the_config_file() -> None:
         "name": "prefix_aware",
         "params": {"balance_abs_threshold": 32, "balance_rel_threshold": 1.5},
     }
+    # `wasma serve --config` reads exactly this file.
+    from deploy.serve import load_config_file
+
+    path = Path(tempfile.mkdtemp()) / "config.yaml"
+    path.write_text(one(objects, "ConfigMap", "-config")["data"]["config.yaml"])
+    loaded = load_config_file(str(path))
+    assert loaded["params"] == config["policy"]["params"]
+    assert loaded["policy_name"] == flags(gateway_container(objects)["args"])["--policy"]
     # The file the flag names is the ConfigMap, mounted where the flag says.
     gateway = gateway_container(objects)
     mount = next(m for m in gateway["volumeMounts"] if m["name"] == "config")
