@@ -121,6 +121,7 @@ class SimReplay:
             profile=profile,
             pricer=pricer or topology_pricer(names),
             params=dict(params or {}),
+            can_defer=True,
         )
         reg = registry or default_registry()
         self.policy_name = policy
@@ -139,6 +140,9 @@ class SimReplay:
         self._arrival: dict[str, float] = {}
         self._retained: dict[str, list[tuple[int, list[int]]]] = {}
         self._macro: set[int] = set()  # engines in a macro step, synced before decisions
+        # Requests the policy held back (deadline-aware admission), by priority.
+        self._held: list[tuple[int, int, Workflow, str, float]] = []
+        self.held_total = 0
         self.records: list[RequestRecord] = []
         self.wf_records: list[WorkflowRecord] = []
 
@@ -168,7 +172,9 @@ class SimReplay:
                 self._push(end, _STEP, (slot, self._gen[slot]))
 
     # -- workflow logic --------------------------------------------------------------
-    def _submit(self, wf: Workflow, node_id: str, now: float) -> None:
+    def _submit(
+        self, wf: Workflow, node_id: str, now: float, held_since: float | None = None
+    ) -> None:
         bs = self.profile.block_size
         full = self.hasher.chain(wf.context_span(node_id))
         prompt_tokens = wf.prompt_tokens(node_id)
@@ -193,6 +199,13 @@ class SimReplay:
         for slot in self._macro:
             engines[slot].sync(now)
         placement = self.router.route(info, now)
+        if placement.defer:
+            heapq.heappush(
+                self._held, (placement.priority, self._seq, wf, node_id, held_since or now)
+            )
+            self._seq += 1
+            self.held_total += 1
+            return
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
         if placement.retain:
             self.engines[placement.engine].kv.retain(full)
@@ -209,6 +222,8 @@ class SimReplay:
         else:
             req.arrival_time = now
             self._add(placement.engine, req, now)
+        if held_since is not None:
+            self._arrival[rid] = held_since
 
     def _on_finished(self, slot: int, req: SimRequest, now: float) -> None:
         wf, node_id, kind, moved = self._meta.pop(req.request_id)
@@ -242,6 +257,18 @@ class SimReplay:
             )
         for child in ready:
             self._submit(wf, child, now)
+        self._release_held(now)
+
+    def _release_held(self, now: float) -> None:
+        """Capacity freed: offer held requests again, most urgent first, until the
+        policy holds one back again."""
+        held = self._held
+        while held:
+            _prio, _seq, wf, node_id, since = heapq.heappop(held)
+            before = len(held)
+            self._submit(wf, node_id, now, held_since=since)
+            if len(held) > before:
+                return
 
     def _arrive(self, wf: Workflow, now: float) -> None:
         self.ctx.workflows.register(wf, now)
@@ -281,7 +308,7 @@ class SimReplay:
                     slot, req, hashes, submitted = payload
                     engines[slot].sync(now)
                     req.pinned_blocks = engines[slot].kv.seed_pinned(hashes)
-                    self._arrival[req.request_id] = submitted
+                    self._arrival.setdefault(req.request_id, submitted)
                     self._add(slot, req, now)
             else:
                 self._arrive(wfs[i], next_arrival)

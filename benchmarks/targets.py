@@ -37,7 +37,16 @@ from scheduler.workflows import WorkflowRegistry
 APPS = ("pipeline", "mapreduce", "debate")
 POLICIES = ("round_robin", "least_loaded", "session", "prefix_aware", "kv_aware", "wasma")
 SWEPT = ("least_loaded", "prefix_aware", "kv_aware", "wasma")
-ABLATIONS = ("colocate", "transfer", "priority", "retain", "hopeless", "load_aware")
+# Each variant turns one mechanism off.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "colocate": {"colocate": False},
+    "transfer": {"transfer": False},
+    "priority": {"priority": False},
+    "retain": {"retain": False},
+    "hopeless": {"hopeless": False},
+    "admission": {"admission_batch": 10**9},
+    "load_aware": {"load_aware": False},
+}
 
 
 def sweep(
@@ -154,16 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             for mult in (1.0, 1.5, 2.0):
                 for pol in POLICIES:
                     specs.append(RunSpec(traces[app], pol, knee * mult, args.engines, profile.name))
-            for mech in ABLATIONS:
+            for off in ABLATIONS.values():
                 specs.append(
-                    RunSpec(
-                        traces[app],
-                        "wasma",
-                        knee * 1.5,
-                        args.engines,
-                        profile.name,
-                        {mech: False},
-                    )
+                    RunSpec(traces[app], "wasma", knee * 1.5, args.engines, profile.name, off)
                 )
         runs += runner.run_all(specs, lambda _row: bar.update(1))
     bar.close()
@@ -236,7 +238,10 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
                 and not r.get("sweep")
                 and abs(r["rate_scale"] - knee * 1.5) < 1e-9
             ):
-                label = "all on" if not r.get("params") else f"no {next(iter(r['params']))}"
+                label = "all on"
+                for name, off in ABLATIONS.items():
+                    if r.get("params") == off:
+                        label = f"no {name}"
                 lines.append(
                     f"| {app} | {label} | {r['deadline_attainment']:.3f} "
                     f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "

@@ -56,6 +56,9 @@ class Placement:
     transfer: TransferOrder | None = None
     # Keep this request's context KV until its workflow ends: descendants will reuse it.
     retain: bool = False
+    # Hold the request at the router and ask again when load drops (only when the
+    # driver supports it: PolicyContext.can_defer). Nothing is dispatched or charged.
+    defer: bool = False
     estimated_finish_s: float | None = None  # the policy's estimate, for reports
 
 
@@ -74,6 +77,8 @@ class PolicyContext:
     pricer: TransferPricer | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # Whether the driver can hold a request back (`Placement.defer`) and ask again later.
+    can_defer: bool = False
     # Prompts placed but not yet started: their blocks will be on that engine soon.
     inflight: PrefixIndex = field(init=False)
     # Learned workflow shapes per app, for workflows that arrive without a DAG.

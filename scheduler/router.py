@@ -26,6 +26,8 @@ class Router:
         t0 = time.perf_counter_ns()
         placement = self.policy.place(req, now)
         self.decision_us.append((time.perf_counter_ns() - t0) / 1000)
+        if placement.defer:
+            return placement
         bs = self.ctx.block_size
         charge = Charge(
             blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),

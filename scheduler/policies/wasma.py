@@ -57,6 +57,11 @@ class Wasma(Policy):
         # Above this many engines, score the prefix holders plus a rotating sample of
         # this many others (power-of-d choices) so a decision stays O(d), not O(N).
         "max_candidates": 64,
+        # Deadline-aware admission: vLLM admits every request it has KV for, so under
+        # overload the running batch (and every step) grows until nobody meets a
+        # deadline. A workflow that can no longer make its deadline is held at the router
+        # while its best engine runs more than this many requests, and completed later.
+        "admission_batch": 48,
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -202,10 +207,19 @@ class Wasma(Policy):
             if transfer is not None
             else (PlacementKind.REUSE if hit > 0 else PlacementKind.RECOMPUTE)
         )
+        priority = self._priority(req, remaining, now)
+        # Admission happens per workflow (its roots) or for workflows already hopeless;
+        # the rest of an admitted workflow always goes through.
+        defer = (
+            ctx.can_defer
+            and loads[slot].outstanding >= p["admission_batch"]
+            and ((p["hopeless"] and priority >= _HOPELESS) or not req.parents)
+        )
         return Placement(
             engine=slot,
             kind=kind,
-            priority=self._priority(req, remaining, now),
+            priority=priority,
+            defer=defer,
             hit_blocks=hit,
             transfer=transfer,
             retain=bool(p["retain"]) and reused,
