@@ -50,7 +50,8 @@ class _Pending:
     output: list[int]
     sent: int = 0  # output tokens emitted so far
     finished: bool = False
-    queue: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
+    # An exception in the queue is the engine failing the request (fault injection).
+    queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
 
 
 class SimEngine(EngineClient):
@@ -76,7 +77,12 @@ class SimEngine(EngineClient):
         self._clock = clock
         self._t0 = clock()
         self._sinks: list[KVEventSink] = []
+        self._policy = policy
         self.core = SimEngineCore(name, profile, policy, kv_sink=self._emit)
+        # Fault injection for reliability tests: a dead engine refuses and fails requests,
+        # a hung one stops producing tokens and never answers a health check.
+        self.dead = False
+        self.hung = False
         self._pending: dict[str, _Pending] = {}
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -121,6 +127,8 @@ class SimEngine(EngineClient):
     def _ensure_running(self) -> None:
         if self._closed:
             raise RuntimeError(f"engine {self.name} is closed")
+        if self.dead:
+            raise ConnectionError(f"engine {self.name} is down")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -135,9 +143,10 @@ class SimEngine(EngineClient):
                 # Nothing fits this step; wait for an arrival or an abort to change that.
                 await self._sleep_until(None)
                 continue
-            # New arrivals may shorten a macro step (core.interrupt moves step_end).
-            while core.step_end > self._now():
-                await self._sleep_until(core.step_end)
+            # New arrivals may shorten a macro step (core.interrupt moves step_end). A hung
+            # engine (fault injection) holds its step until revived: no tokens come out.
+            while self.hung or core.step_end > self._now():
+                await self._sleep_until(None if self.hung else core.step_end)
             self._deliver(core.complete_step(core.step_end))
 
     def _deliver(self, out: StepOutcome) -> None:
@@ -184,6 +193,9 @@ class SimEngine(EngineClient):
         try:
             while True:
                 chunk = await pending.queue.get()
+                if isinstance(chunk, BaseException):
+                    pending.finished = True
+                    raise chunk
                 yield chunk
                 if chunk.finished:
                     return
@@ -198,7 +210,36 @@ class SimEngine(EngineClient):
         return self.core.stats()
 
     async def healthy(self) -> bool:
-        return not self._closed and (self._task is None or not self._task.done())
+        if self.hung:
+            await asyncio.Event().wait()  # a stalled engine never answers
+        return not self._closed and not self.dead and (self._task is None or not self._task.done())
+
+    # -- fault injection (tests, chaos benchmarks) -------------------------------------
+    def _stop_driver(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def kill(self) -> None:
+        """The engine process dies: running requests fail, its KV cache is lost, new
+        requests are refused until `revive()`."""
+        self.dead = True
+        self.hung = False
+        self._stop_driver()
+        for p in self._pending.values():
+            p.queue.put_nowait(ConnectionError(f"engine {self.name} died"))
+        self._pending.clear()
+        self.core = SimEngineCore(self.name, self.profile, self._policy, kv_sink=self._emit)
+
+    def hang(self) -> None:
+        """The engine stalls: requests stay queued without tokens, health checks hang."""
+        self.hung = True
+
+    def revive(self) -> None:
+        """Back in service (after `kill`, with an empty cache; after `hang`, as it was)."""
+        self.dead = False
+        self.hung = False
+        self._wake()
 
     async def close(self) -> None:
         self._closed = True

@@ -104,23 +104,27 @@ class KVCache:
         return out
 
     def free_blocks(self, blocks: Sequence[int]) -> None:
-        """Release a request's blocks, tail first (evicted first)."""
-        ref, free = self.ref, self.free
-        retained = self.retained
-        if retained:
-            hash_of, kept = self.hash_of, self.free_retained
-            for b in reversed(blocks):
-                ref[b] -= 1
-                if ref[b] == 0:
-                    if hash_of[b] in retained:
-                        kept[b] = None
-                    else:
-                        free[b] = None
-            return
+        """Release a request's blocks, tail first (evicted first).
+
+        As vLLM's BlockPool does: freed blocks that hold no cached content (a partial
+        last block, a duplicate) go to the *front* of the free queue, to be reused before
+        any cached prefix is evicted; cached ones go to the back."""
+        ref, free, hash_of = self.ref, self.free, self.hash_of
+        retained, kept = self.retained, self.free_retained
+        unhashed: list[int] = []
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                h = hash_of[b]
+                if h is None:
+                    unhashed.append(b)
+                elif retained and h in retained:
+                    kept[b] = None
+                else:
+                    free[b] = None
+        for b in reversed(unhashed):
+            free[b] = None
+            free.move_to_end(b, last=False)
 
     def retain(self, block_hashes: Sequence[int]) -> None:
         """Keep these blocks, once free, behind every ordinary free block."""

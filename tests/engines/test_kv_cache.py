@@ -232,3 +232,15 @@ def test_pool_invariants(ops: list[tuple[str, int, int]]) -> None:
         for h, blk in kv.cached.items():
             assert kv.hash_of[blk] == h
     assert sink.stored == []
+
+
+def test_freed_blocks_without_content_are_reused_before_cached_ones() -> None:
+    """vLLM puts freed unhashed blocks (a partial tail) at the front of the free queue, so
+    the next allocation takes them and no cached prefix is evicted."""
+    kv, sink = cache(4)  # 3 usable
+    blocks = kv.allocate(3)
+    kv.cache_blocks(blocks, [11, 12], 0, 2)  # the third block is a partial tail
+    kv.free_blocks(blocks)
+    again = kv.allocate(1)
+    assert again == [blocks[2]]
+    assert sink.removed == [] and kv.count_hit([11, 12]) == 2
