@@ -197,6 +197,24 @@ def critical_path_alone_s(wf: Workflow, profile: Profile) -> float:
     return wf.critical_path(cost)
 
 
+def scale_tokens(nodes: list[Node], factor: float) -> list[Node]:
+    """The same DAG with every token count scaled (for small models on small machines)."""
+    if factor == 1.0:
+        return nodes
+
+    def seg(s: Segment) -> Segment:
+        if isinstance(s, Shared):
+            return Shared(s.key, max(1, round(s.tokens * factor)))
+        if isinstance(s, Unique):
+            return Unique(max(1, round(s.tokens * factor)))
+        return s
+
+    return [
+        Node(n.id, n.parents, max(1, round(n.output_tokens * factor)), tuple(map(seg, n.prompt)))
+        for n in nodes
+    ]
+
+
 def generate(
     app: str,
     workflows: int,
@@ -204,6 +222,7 @@ def generate(
     seed: int,
     profile: Profile,
     slack: float | None = None,
+    token_scale: float = 1.0,
 ) -> list[Workflow]:
     specs = app_specs()
     if app not in specs:
@@ -216,13 +235,15 @@ def generate(
     factor = spec.slack if slack is None else slack
     if not factor > 0:
         raise ValueError("--slack must be positive")
+    if not 0 < token_scale <= 100:
+        raise ValueError("--token-scale must be in (0, 100]")
     rng = np.random.Generator(np.random.PCG64(seed))
     t = 0.0
     out = []
     for i in range(workflows):
         t += float(rng.exponential(1.0 / rate))
         wid = f"{app}-{seed}-{i}"
-        nodes = spec.build(rng, wid)
+        nodes = scale_tokens(spec.build(rng, wid), token_scale)
         draft = Workflow.create(wid, app, t, 1.0, nodes)
         # Rounded for a readable trace, but never to 0 (a deadline must be positive).
         deadline = max(round(factor * critical_path_alone_s(draft, profile), 3), 0.001)

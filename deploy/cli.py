@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--profile", default="llama3-8b-h100", help="for deadlines")
     gen.add_argument("--slack", type=_positive_float, default=None, help="deadline factor")
+    gen.add_argument(
+        "--token-scale",
+        type=_positive_float,
+        default=1.0,
+        help="scale every token count (e.g. 0.25 for the tiny model's 4k context)",
+    )
     gen.add_argument("-o", "--output", required=True)
 
     b = sub.add_parser("bench", help="simulate traces under policies and loads")
@@ -196,7 +202,20 @@ def _cmd_trace_gen(args: argparse.Namespace) -> int:
     from scheduler.trace import write_trace
 
     profile = load_profile(args.profile)
-    wfs = generate(args.app, args.workflows, args.rate, args.seed, profile, args.slack)
+    wfs = generate(
+        args.app, args.workflows, args.rate, args.seed, profile, args.slack, args.token_scale
+    )
+    too_long = [
+        f"{w.workflow_id}/{n}"
+        for w in wfs
+        for n in w.nodes
+        if w.prompt_tokens(n) + w.nodes[n].output_tokens > profile.max_model_len
+    ]
+    if too_long:
+        raise CLIError(
+            f"{len(too_long)} requests (first: {too_long[0]}) exceed the {profile.name} "
+            f"profile's max_model_len {profile.max_model_len}; lower --token-scale"
+        )
     write_trace(args.output, wfs)
     nodes = sum(len(w) for w in wfs)
     print(f"wrote {len(wfs)} workflows ({nodes} requests) to {args.output}")

@@ -355,3 +355,28 @@ def test_plan_subcommand_forwards_its_flags(capsys: pytest.CaptureFixture[str]) 
     assert (
         main(["plan", "--topology", "preset:nope", "--src", "a", "--dst", "b", "--bytes", "1"]) == 2
     )
+
+
+def test_trace_gen_token_scale_fits_a_small_model(tmp_path: Path) -> None:
+    from deploy.cli import main
+    from scheduler.trace import load_trace
+
+    out = tmp_path / "t.jsonl"
+    args = [
+        "trace",
+        "gen",
+        "--app",
+        "mapreduce",
+        "--workflows",
+        "3",
+        "--rate",
+        "1",
+        "--profile",
+        "tiny-cpu",
+        "-o",
+        str(out),
+    ]
+    assert main(args) == 2  # full-size prompts exceed the tiny model's 4k context
+    assert main([*args, "--token-scale", "0.3"]) == 0
+    wfs = load_trace(out)
+    assert max(w.prompt_tokens(n) for w in wfs for n in w.nodes) <= 4096
