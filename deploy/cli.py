@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--kv-events",
         default=None,
-        help="openai engines: their ZMQ KV-event endpoints, tcp://HOST:PORT[,...] in order",
+        help="openai engines: their ZMQ KV-event endpoints, tcp://HOST:PORT[,...] in order "
+        "(each vLLM server must publish on tcp://*:PORT; a non-wildcard address makes vLLM "
+        "connect out and nothing arrives)",
     )
     sv.add_argument("--served-model-name", default=None)
 

@@ -1,0 +1,298 @@
+"""The peers benchmark's pure parts: commands, run plan, trace sizes, aggregation.
+
+No engine, router or network: these only check what the script would start and how
+it folds results."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.peers import SIM_MODELS, estimate_s, parse_args, plan_runs
+from benchmarks.peers_procs import (
+    EngineEndpoint,
+    EngineOptions,
+    RouterConfig,
+    default_routers,
+    engine_command,
+    engine_env,
+    router_command,
+)
+from benchmarks.peers_report import (
+    aggregate,
+    markdown_table,
+    prefix_counter_delta,
+    sim_table,
+    spread,
+)
+from benchmarks.peers_traces import generate_small, small_apps
+from engines.sim.profile import load_profile
+
+OPTS = EngineOptions(model="/m/tiny", block_size=64)
+EPS = [EngineEndpoint(8001, "/t/kv0.sock", 5557), EngineEndpoint(8002, "/t/kv1.sock", 5558)]
+
+
+def _router(name: str) -> RouterConfig:
+    return next(r for r in default_routers() if r.name == name)
+
+
+def _cmd(name: str) -> list[str]:
+    return router_command(_router(name), "/venv/bin", "/venv/bin/python", 9000, EPS, OPTS, 9100)
+
+
+def _after(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_engine_command_has_caching_events_priority_and_loopback() -> None:
+    cmd = engine_command("/py", OPTS, EPS[1])
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _after(cmd, "--host") == "127.0.0.1"
+    assert _after(cmd, "--port") == "8002"
+    assert _after(cmd, "--block-size") == "64"
+    assert _after(cmd, "--scheduling-policy") == "priority"
+    assert "--enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    events = json.loads(_after(cmd, "--kv-events-config"))
+    assert events == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "ipc:///t/kv1.sock",
+    }
+
+
+def test_engine_env_enables_reset_endpoint_and_pins_distinct_cores() -> None:
+    a = engine_env({"PATH": "/bin"}, OPTS, 0)
+    b = engine_env({"PATH": "/bin"}, OPTS, 1)
+    assert a["VLLM_SERVER_DEV_MODE"] == "1"
+    assert a["PATH"] == "/bin"
+    assert (a["VLLM_CPU_OMP_THREADS_BIND"], b["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env({}, OPTS, None)
+
+
+def test_vllm_router_kv_aware_gets_every_event_source_and_the_engines_block_size() -> None:
+    cmd = _cmd("vllm-router kv_aware")
+    assert cmd[0] == "/venv/bin/vllm-router"
+    assert _after(cmd, "--policy") == "kv_aware"
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    assert sources == [
+        "http://127.0.0.1:8001=tcp://127.0.0.1:5557",
+        "http://127.0.0.1:8002=tcp://127.0.0.1:5558",
+    ]
+    assert _after(cmd, "--kv-event-block-size") == "64"
+    assert _after(cmd, "--kv-event-model") == "/m/tiny"
+    assert "--enable-program-scheduling" not in cmd
+    assert _after(cmd, "--prometheus-port") == "9100"
+    assert _after(cmd, "--host") == "127.0.0.1"
+
+
+def test_program_scheduling_and_cache_aware_variants() -> None:
+    prog = _cmd("vllm-router kv_aware+program")
+    assert "--enable-program-scheduling" in prog and "--kv-event-source" in prog
+    cache = _cmd("vllm-router cache_aware")
+    assert _after(cache, "--policy") == "cache_aware"
+    assert "--kv-event-source" not in cache
+    workers = cache[cache.index("--worker-urls") + 1 : cache.index("--worker-urls") + 3]
+    assert workers == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+def test_sglang_router_uses_launch_subcommand_on_loopback() -> None:
+    cmd = _cmd("sglang-router cache_aware")
+    assert cmd[:2] == ["/venv/bin/sglang-router", "launch"]
+    assert _after(cmd, "--host") == "127.0.0.1"
+    assert _after(cmd, "--prometheus-host") == "127.0.0.1"
+    assert _after(cmd, "--policy") == "cache_aware"
+
+
+def test_wasma_serve_gets_engines_and_events_in_the_same_order() -> None:
+    cmd = _cmd("wasma")
+    assert cmd[:4] == ["/venv/bin/python", "-m", "deploy.cli", "serve"]
+    assert _after(cmd, "--engines") == "openai:http://127.0.0.1:8001,http://127.0.0.1:8002"
+    assert _after(cmd, "--kv-events") == "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
+    assert _after(cmd, "--policy") == "wasma"
+    assert _after(_cmd("wasma least_loaded"), "--policy") == "least_loaded"
+
+
+def test_text_prompts_only_for_routers_that_route_on_text() -> None:
+    text = {r.name for r in default_routers() if r.text_prompts}
+    assert text == {"vllm-router cache_aware", "sglang-router cache_aware"}
+
+
+def test_unknown_router_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown router kind"):
+        router_command(RouterConfig("x", "nginx", "rr"), "/b", "/py", 1, EPS, OPTS, 2)
+
+
+def test_plan_is_repetition_major_and_complete() -> None:
+    routers = default_routers()[:2]
+    runs = plan_runs(routers, ["a", "b"], [1.0, 2.0], reps=2)
+    assert len(runs) == 2 * 2 * 2 * 2
+    assert [r.rep for r in runs[:8]] == [0] * 8
+    assert [r.router.name for r in runs[:2]] == [routers[0].name, routers[1].name]
+    assert estimate_s(runs, {"a": 10.0, "b": 5.0}) > 90.0
+
+
+def test_every_simulated_baseline_names_real_routers() -> None:
+    names = {r.name for r in default_routers()}
+    assert {m for models in SIM_MODELS.values() for m in models} <= names
+
+
+@pytest.mark.parametrize("app", list(small_apps()))
+def test_small_traces_fit_the_tiny_context(app: str) -> None:
+    profile = load_profile("tiny-cpu")
+    wfs = generate_small(app, 6, 0.5, 0, profile, slack=3.0, hop_s=0.05)
+    assert len(wfs) == 6 and wfs[0].arrival_s == 0.0
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(wfs))
+    for wf in wfs:
+        assert wf.deadline_s > 0
+        for nid, node in wf.nodes.items():
+            # Text prompts re-tokenise to ~15% more tokens: keep a margin below 2048.
+            assert wf.prompt_tokens(nid) + node.output_tokens < 1700
+    again = generate_small(app, 6, 0.5, 0, profile, slack=3.0, hop_s=0.05)
+    assert [w.to_dict() for w in again] == [w.to_dict() for w in wfs]
+
+
+def test_generate_small_rejects_bad_input() -> None:
+    profile = load_profile("tiny-cpu")
+    with pytest.raises(ValueError, match="unknown app"):
+        generate_small("chat", 1, 1.0, 0, profile, 3.0, 0.0)
+    with pytest.raises(ValueError):
+        generate_small("debate", 0, 1.0, 0, profile, 3.0, 0.0)
+
+
+def test_prefix_counter_delta_sums_engines() -> None:
+    before = [(100.0, 10.0), (50.0, 0.0)]
+    after = [(300.0, 110.0), (150.0, 50.0)]
+    assert prefix_counter_delta(before, after) == (300.0, 150.0, 0.5)
+    assert prefix_counter_delta(before, before)[2] is None
+    with pytest.raises(ValueError):
+        prefix_counter_delta(before, after[:1])
+
+
+def test_spread_ignores_missing_values() -> None:
+    assert spread([3.0, None, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert spread([None]) is None
+
+
+def _row(router: str, rate: float, goodput: float, hits: float | None) -> dict[str, object]:
+    return {
+        "router": router,
+        "app": "debate",
+        "rate_scale": rate,
+        "goodput_wf_per_s": goodput,
+        "deadline_attainment": 1.0,
+        "p95_workflow_s": 2.0,
+        "engine_prefix_hit_ratio": hits,
+        "failed_requests": 1,
+    }
+
+
+def test_aggregate_groups_repeats_and_keeps_order() -> None:
+    rows = [
+        _row("wasma", 1.0, 0.3, 0.6),
+        _row("peer", 1.0, 0.2, 0.5),
+        _row("wasma", 1.0, 0.1, 0.7),
+        _row("wasma", 1.0, 0.2, None),
+        _row("wasma", 2.0, 0.4, 0.6),
+    ]
+    agg = aggregate(rows)
+    assert [(e["router"], e["rate_scale"], e["runs"]) for e in agg] == [
+        ("wasma", 1.0, 3),
+        ("peer", 1.0, 1),
+        ("wasma", 2.0, 1),
+    ]
+    first = agg[0]
+    assert first["goodput_wf_per_s"] == {"min": 0.1, "median": 0.2, "max": 0.3}
+    hits = first["engine_prefix_hit_ratio"]
+    assert (hits["min"], hits["max"]) == (0.6, 0.7)
+    assert hits["median"] == pytest.approx(0.65)
+    assert first["failed_requests"] == 3
+    table = markdown_table(agg)
+    assert "| debate | x1 | wasma | 0.200 (0.100..0.300) |" in table
+    assert len(table.splitlines()) == 2 + 3
+
+
+def test_sim_table_reports_gap_in_points() -> None:
+    agg = aggregate([_row("vllm-router kv_aware", 1.0, 0.2, 0.5)])
+    sim = [
+        {
+            "app": "debate",
+            "rate_scale": 1.0,
+            "policy": "kv_aware",
+            "models": ["vllm-router kv_aware", "vllm-router kv_aware+program"],
+            "prefix_hit_ratio": 0.58,
+        }
+    ]
+    lines = sim_table(sim, agg).splitlines()
+    assert lines[2].endswith("| vllm-router kv_aware | 0.50 | +8.0 |")
+    assert lines[3].endswith("| n/a | n/a |")
+
+
+def test_parse_args_defaults_and_validation(tmp_path: Path) -> None:
+    args = parse_args(["--out", str(tmp_path)])
+    assert args.engines == 2 and args.rates == [1.0, 2.0] and args.reps == 3
+    assert args.apps == ["pipeline", "mapreduce", "debate"]
+    with pytest.raises(SystemExit):
+        parse_args(["--rates", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--reps", "0"])
+
+
+def test_kv_event_relay_forwards_ipc_to_loopback_tcp(tmp_path: Path) -> None:
+    import time
+
+    import zmq
+
+    from benchmarks.peers_procs import KVEventRelay, free_port
+
+    ep = EngineEndpoint(0, str(tmp_path / "kv.sock"), free_port())
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(ep.publish_endpoint)  # what vLLM does with an ipc:// endpoint
+    relay = KVEventRelay([ep])
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    sub.connect(ep.kv_endpoint)
+    try:
+        got = None
+        for _ in range(50):  # subscriptions propagate asynchronously (slow joiner)
+            pub.send_multipart([b"", b"\x00" * 8, b"payload"])
+            try:
+                got = sub.recv_multipart()
+                break
+            except zmq.Again:
+                time.sleep(0.05)
+        assert got == [b"", b"\x00" * 8, b"payload"]
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
+        relay.close()
+        ctx.term()
+
+
+def test_wasma_ablations_pass_params_in_a_config_file() -> None:
+    from benchmarks.peers_procs import diagnostic_routers, wasma_config_text
+
+    rc = diagnostic_routers()[0]
+    assert json.loads(wasma_config_text(rc) or "") == {"params": {"priority": False}}
+    assert wasma_config_text(_router("wasma")) is None
+    cmd = router_command(rc, "/b", "/py", 1, EPS, OPTS, 2, "/tmp/c.yaml")
+    assert _after(cmd, "--config") == "/tmp/c.yaml"
+    assert "--config" not in _cmd("wasma")
+
+
+def test_frozen_source_holds_every_package_wasma_serve_imports() -> None:
+    import shutil
+
+    from benchmarks.peers import freeze_source
+
+    snap = Path(freeze_source())
+    try:
+        for f in ("deploy/cli.py", "scheduler/router.py", "engines/profiles/tiny-cpu.yaml"):
+            assert (snap / f).is_file()
+        assert not list(snap.rglob("__pycache__"))
+    finally:
+        shutil.rmtree(snap)
