@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from deploy.journal import WorkflowJournal
 from deploy.metrics import WasmaMetrics
 from deploy.ray_channel import ChannelServer
 from deploy.router_service import RouterService, ServiceRequest
@@ -71,6 +72,13 @@ class ServiceConfig:
     # openai engines: where each server publishes KV events (tcp://host:port), by index.
     kv_events: tuple[str, ...] = ()
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    # Fault handling (deploy/RELIABILITY.md): the journal of registered workflows that a
+    # restarted router replays, engine timeouts, and how often Ray restarts the router.
+    journal: str | None = None
+    request_timeout_s: float = 60.0
+    health_timeout_s: float = 5.0
+    max_failovers: int = 3
+    router_max_restarts: int = 3
 
 
 def resolve_profile(cfg: ServiceConfig) -> Profile:
@@ -125,7 +133,28 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
             )
         )
     launch = vllm_actor.RayVLLMEngine.launch
-    return list(await asyncio.gather(*(launch(f"vllm{i}", vcfg) for i in range(cfg.engines.count))))
+    count = cfg.engines.count
+    return list(
+        await asyncio.gather(
+            *(launch(f"vllm{i}", vcfg, actor_options=_cpu_binding(i)) for i in range(count))
+        )
+    )
+
+
+def _cpu_binding(index: int) -> dict[str, Any]:
+    """On CPU, vLLM binds every engine's OpenMP threads to the same core unless told
+    otherwise; give engine i core i (mod the cores), unless the user chose a binding."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return {}
+    except ImportError:
+        return {}
+    core = index % (os.cpu_count() or 1)
+    return {"runtime_env": {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}}
 
 
 async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None) -> RouterService:
@@ -141,6 +170,10 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
         params=cfg.params,
         metrics=metrics,
         max_outstanding=cfg.max_outstanding,
+        request_timeout_s=cfg.request_timeout_s,
+        health_timeout_s=cfg.health_timeout_s,
+        max_failovers=cfg.max_failovers,
+        journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
     )
     await service.start()
     return service
@@ -154,12 +187,20 @@ class RouterActor:
         self.cfg = cfg
         self.service: RouterService | None = None
         self.channels: ChannelServer | None = None
+        self._starting = asyncio.Lock()  # concurrent first calls build one service
 
     async def start(self) -> list[str]:
-        if self.service is None:
-            self.service = await build_service(self.cfg)
-            self.channels = ChannelServer(self.service)
+        async with self._starting:
+            if self.service is None:
+                service = await build_service(self.cfg)
+                self.channels = ChannelServer(service)
+                self.service = service
         return self.service.engine_names()
+
+    async def _ready(self) -> None:
+        # After Ray restarts the actor nobody calls start(): the first call does.
+        if self.service is None:
+            await self.start()
 
     def _svc(self) -> RouterService:
         assert self.service is not None, "RouterActor.start() was not called"
@@ -170,25 +211,32 @@ class RouterActor:
         return self.channels
 
     async def submit(self, channel: str, batch: list[tuple[ServiceRequest, bool]]) -> None:
+        await self._ready()
         self._chan().submit(channel, batch)
 
     async def cancel(self, channel: str, request_ids: list[str]) -> None:
+        await self._ready()
         self._chan().cancel(channel, request_ids)
 
     async def results(self, channel: str) -> AsyncIterator[list[Any]]:
+        await self._ready()
         async for batch in self._chan().results(channel):
             yield batch
 
     async def register_workflow(self, data: dict[str, Any], tenant: str) -> dict[str, Any]:
+        await self._ready()
         return self._svc().register_workflow(data, tenant)
 
     async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]:
+        await self._ready()
         return self._svc().workflow_status(workflow_id, tenant)
 
     async def health(self) -> dict[str, Any]:
+        await self._ready()
         return self._svc().health()
 
     async def render_metrics(self, http_codes: dict[int, int]) -> tuple[bytes, str]:
+        await self._ready()
         return self._svc().render_metrics(http_codes)
 
     async def close(self) -> None:
