@@ -239,9 +239,9 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
                 and abs(r["rate_scale"] - knee * 1.5) < 1e-9
             ):
                 label = "all on"
-                for name, off in ABLATIONS.items():
+                for mechanism, off in ABLATIONS.items():
                     if r.get("params") == off:
-                        label = f"no {name}"
+                        label = f"no {mechanism}"
                 lines.append(
                     f"| {app} | {label} | {r['deadline_attainment']:.3f} "
                     f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "
