@@ -19,8 +19,9 @@ ROOT_HASH = 0
 """Parent of the first block (vLLM's NONE_HASH plays this role)."""
 
 # The memo keeps hash chains of whole aligned pieces (system prompts, documents,
-# contexts children repeat); clearing it when full bounds memory on long runs.
-_MEMO_CAP = 262_144
+# contexts children repeat); clearing it when it holds this many hashes bounds memory on
+# long runs (a document's chain is hundreds of hashes, so count hashes, not entries).
+_MEMO_CAP_HASHES = 2_000_000
 
 
 def stream_id(*parts: str) -> int:
@@ -71,6 +72,7 @@ class BlockHasher:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self._memo: dict[tuple[int, int, int, int], tuple[tuple[int, ...], int]] = {}
+        self._memo_hashes = 0
 
     def chain(self, span: Sequence[Piece], parent: int = ROOT_HASH) -> list[int]:
         """Hashes of every *full* block of `span`, chained from `parent`."""
@@ -105,10 +107,12 @@ class BlockHasher:
                     for off in range(pos, pos + (left // bs) * bs, bs):
                         h = hash((h, stream, off))
                         hashes.append(h)
-                    if len(self._memo) >= _MEMO_CAP:
+                    if self._memo_hashes + len(hashes) > _MEMO_CAP_HASHES:
                         self._memo.clear()
+                        self._memo_hashes = 0
                     hit = (tuple(hashes), h)
                     self._memo[key] = hit
+                    self._memo_hashes += len(hashes)
                 out.extend(hit[0])
                 parent = hit[1]
                 full = (left // bs) * bs
