@@ -66,7 +66,16 @@ class GatewayConfig:
     max_prompt_tokens: int = 1 << 20
     max_body_bytes: int = 16 << 20
     max_workflow_bytes: int = 4 << 20
+    # OpenAI's own limits on `metadata` (16 pairs, 64-char keys, 512-char values), also
+    # applied to `vllm_xargs`; and at most this many stop strings / stop token ids.
+    max_metadata_keys: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 512
+    max_stop: int = 64
     protect_metrics: bool = False  # /metrics and /health open by default (scrapers, probes)
+    # Set: /metrics and /health leave the public port for this one (`create_admin_app`),
+    # so probes and scrapers need no API key and the internet never sees them.
+    admin_port: int | None = None
     extra_model_names: tuple[str, ...] = field(default=())
 
     @property
@@ -328,6 +337,7 @@ class Gateway:
             )
         if min(ids) < 0 or max(ids) >= self.tok.vocab_size:
             raise ApiError(400, f"token ids must be in [0, {self.tok.vocab_size})", param="prompt")
+        self._check_sizes(req)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             ident = workflow_identity(
@@ -353,6 +363,35 @@ class Gateway:
             ignore_eos=req.ignore_eos,
             extra=extra,
         )
+
+    def _check_sizes(self, req: Any) -> None:
+        """Bounded fields, so a request's cost stays in proportion to its body limit."""
+        cfg = self.cfg
+        # vllm_xargs carries agentic_context, a JSON string of up to 8 KiB (metadata.py).
+        for name, chars in (("metadata", cfg.max_metadata_value_chars), ("vllm_xargs", 8192)):
+            value = getattr(req, name)
+            if value is None:
+                continue
+            if len(value) > cfg.max_metadata_keys:
+                raise ApiError(400, f"{name} has over {cfg.max_metadata_keys} keys", param=name)
+            for key, item in value.items():
+                if len(key) > cfg.max_metadata_key_chars:
+                    raise ApiError(
+                        400,
+                        f"{name} keys must be at most {cfg.max_metadata_key_chars} chars",
+                        param=name,
+                    )
+                if name == "metadata" and not isinstance(item, str | int | float | bool | None):
+                    raise ApiError(400, f"{name}.{key} must be a string or number", param=name)
+                if isinstance(item, str) and len(item) > chars:
+                    raise ApiError(
+                        400, f"{name}.{key} is over {chars} chars", param=f"{name}.{key}"
+                    )
+        stop = req.stop
+        if isinstance(stop, list) and len(stop) > cfg.max_stop:
+            raise ApiError(400, f"at most {cfg.max_stop} stop strings", param="stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > cfg.max_stop:
+            raise ApiError(400, f"at most {cfg.max_stop} stop token ids", param="stop_token_ids")
 
     # -- responses -------------------------------------------------------------------
     async def _complete_or_cancel(
@@ -656,21 +695,47 @@ def create_app(
         )
         return _json(msgspec.json.encode(status))
 
+    if cfg.admin_port is None:
+        _admin_routes(app, lambda: gw_of(app))
+    _install_openapi(app)
+    return app
+
+
+def gw_of(app: FastAPI) -> Gateway:
+    g: Gateway | None = getattr(app.state, "gw", None)
+    if g is None:
+        raise ApiError(503, "the gateway is starting", retry_after_s=1.0)
+    return g
+
+
+def _admin_routes(app: FastAPI, gateway: Callable[[], Gateway]) -> None:
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        g = gw(request)
+    async def health() -> Response:
+        g = gateway()
         h = await g.router.health()
         if h.get("status") != "ok":
             return _json(msgspec.json.encode(h), 503, headers={"retry-after": "2"})
         return _json(msgspec.json.encode(h))
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        g = gw(request)
+    async def metrics() -> Response:
+        g = gateway()
         snapshot = dict(g.codes)
         g.codes.clear()
         body, ctype = await g.router.render_metrics(snapshot)
         return Response(body, media_type=ctype)
 
-    _install_openapi(app)
+
+def create_admin_app(main: FastAPI) -> FastAPI:
+    """`/health` and `/metrics` of `main` on their own app, for `GatewayConfig.admin_port`
+    (run it on a second server in the same process; it shares `main`'s router)."""
+    app = FastAPI(title="wasma admin", version="0.1.0", openapi_url=None, docs_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _on_api_error(request: Request, exc: ApiError) -> Response:
+        return Response(
+            exc.body(), exc.status, media_type="application/json", headers=exc.headers()
+        )
+
+    _admin_routes(app, lambda: gw_of(main))
     return app

@@ -11,7 +11,13 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from deploy.ray_channel import ChannelClient
-from deploy.router_service import RouterService, ServiceRequest, ServiceResult
+from deploy.router_service import (
+    RouterService,
+    ServiceError,
+    ServiceRequest,
+    ServiceResult,
+    Unavailable,
+)
 from engines.base import TokenChunk
 
 
@@ -83,20 +89,33 @@ class RayRouterClient:
     async def complete(self, req: ServiceRequest) -> ServiceResult:
         return await self._channel.complete(req)
 
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One actor call; a router that is dead or restarting is a retryable 503."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except ServiceError:
+            raise
+        except RayActorError as exc:
+            raise Unavailable(
+                f"the router is restarting; retry shortly ({exc})", None, 1.0
+            ) from None
+
     async def register_workflow(self, data: Mapping[str, Any], tenant: str) -> dict[str, Any]:
-        out: dict[str, Any] = await self.handle.register_workflow.remote(dict(data), tenant)
+        out: dict[str, Any] = await self._call("register_workflow", dict(data), tenant)
         return out
 
     async def workflow_status(self, workflow_id: str, tenant: str) -> dict[str, Any]:
-        out: dict[str, Any] = await self.handle.workflow_status.remote(workflow_id, tenant)
+        out: dict[str, Any] = await self._call("workflow_status", workflow_id, tenant)
         return out
 
     async def health(self) -> dict[str, Any]:
-        out: dict[str, Any] = await self.handle.health.remote()
+        out: dict[str, Any] = await self._call("health")
         return out
 
     async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]:
-        out: tuple[bytes, str] = await self.handle.render_metrics.remote(dict(http_codes))
+        out: tuple[bytes, str] = await self._call("render_metrics", dict(http_codes))
         return out
 
     async def close(self) -> None:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from deploy.journal import WorkflowJournal
 from deploy.metadata import WorkflowIdentity
 from deploy.metrics import WasmaMetrics
 from engines.base import EngineClient, GenerateRequest, KVEvent, TokenChunk
@@ -109,6 +110,16 @@ class ServiceResult:
     text: str = ""
 
 
+class _EngineFault(Exception):
+    """An engine failed a request by its own fault (died, hung, errored): the request may
+    move to another engine. Never raised for the client's own mistakes."""
+
+    def __init__(self, slot: int, cause: BaseException | str) -> None:
+        super().__init__(str(cause))
+        self.slot = slot
+        self.cause = cause
+
+
 @dataclass(slots=True)
 class _Live:
     """A request between dispatch and finish."""
@@ -118,11 +129,19 @@ class _Live:
     wkey: str
     node_id: str
     start_s: float
+    info: RequestInfo | None = None
     first_s: float | None = None
     cached: int = 0
     n_out: int = 0
     failed: bool = False
     cancelled: bool = False  # the caller left before the engine finished
+    # Output ids sent so far: a request cut mid-stream continues elsewhere from them.
+    out_ids: list[int] = field(default_factory=list)
+    failovers: int = 0
+    last_s: float = 0.0  # when the request last got a chunk (or was placed)
+    # The running wait for this request's next chunk; rescheduled to "now" to pull the
+    # request off an engine the health check found dead or hung.
+    waiting: asyncio.Timeout | None = None
 
 
 class RouterStream:
@@ -142,10 +161,11 @@ class RouterStream:
         self.request_id = live.req.request_id
         self._service = service
         self._live = live
-        self._gen = gen
+        self._gen: AsyncIterator[TokenChunk] = gen
         self._first: TokenChunk | None = first
         self._done = first.finished
         self._closed = False
+        self.resumed = 0  # times the stream moved to another engine mid-request
 
     def __aiter__(self) -> RouterStream:
         return self
@@ -156,18 +176,26 @@ class RouterStream:
             return chunk
         if self._done:
             raise StopAsyncIteration
-        try:
-            chunk = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self._done = True
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            self._live.failed = True
-            self._service._engine_failed(self._live.slot, exc)
-            raise Unavailable(f"engine {self.engine} failed mid-request: {exc}", None, 1) from None
-        self._service._on_chunk(self._live, chunk)
+        service, live = self._service, self._live
+        while True:
+            try:
+                chunk = await service._next_chunk(live, self._gen)
+                break
+            except _EngineFault as fault:
+                if live.failed:
+                    raise Unavailable(str(fault), None, 1.0) from None
+                # Continue on another engine from the tokens already sent: the client
+                # sees one stream, whatever happened behind it.
+                await _aclose(self._gen)
+                try:
+                    self._gen, chunk = await service._failover(live, fault)
+                except ServiceError:
+                    live.failed = True
+                    raise
+                self.engine = service.engines[live.slot].name
+                self.resumed += 1
+                break
+        service._on_chunk(live, chunk)
         if chunk.finished:
             self._done = True
         return chunk
@@ -179,11 +207,28 @@ class RouterStream:
         if not self._done:
             self._live.cancelled = True
         try:
-            aclose = getattr(self._gen, "aclose", None)
-            if aclose is not None:
-                await aclose()  # aborts the engine's work if the client left early
+            await _aclose(self._gen)  # aborts the engine's work if the client left early
         finally:
             self._service._finish(self._live)
+
+
+async def _empty() -> AsyncIterator[TokenChunk]:
+    return
+    yield  # an async generator with nothing in it
+
+
+def _expire(live: _Live) -> None:
+    """End `live`'s wait for its engine now (it moves to another engine)."""
+    waiting = live.waiting
+    if waiting is not None and not waiting.expired():
+        waiting.reschedule(asyncio.get_running_loop().time())
+
+
+async def _aclose(gen: AsyncIterator[TokenChunk]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 # -- the service ---------------------------------------------------------------------
@@ -205,6 +250,12 @@ class RouterService:
         max_outstanding: int = 8192,
         stats_interval_s: float = 0.25,
         idle_workflow_s: float = 60.0,
+        request_timeout_s: float = 60.0,
+        health_timeout_s: float = 5.0,
+        max_failovers: int = 3,
+        breaker_base_s: float = 1.0,
+        breaker_max_s: float = 30.0,
+        journal: WorkflowJournal | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
@@ -243,6 +294,25 @@ class RouterService:
         self.max_outstanding = max_outstanding
         self.stats_interval_s = stats_interval_s
         self.idle_workflow_s = idle_workflow_s
+        # A request waiting this long for its next chunk (the first one included) while
+        # its engine produced nothing for anyone counts the engine as stalled, and moves;
+        # an engine busy with others only stalls a request past 5x this.
+        self.request_timeout_s = request_timeout_s
+        self._progress = [0.0] * len(self.engines)  # an engine's last chunk, any request
+        self.health_timeout_s = health_timeout_s
+        self.max_failovers = max_failovers
+        # Circuit breaker per engine: consecutive failures of the engine's own making
+        # keep it out of rotation for base * 2^(n-1) seconds (capped), even when its
+        # health check says ok; a request it serves to the end closes the breaker.
+        self.breaker_base_s = breaker_base_s
+        self.breaker_max_s = breaker_max_s
+        self._fails = [0] * len(self.engines)
+        self._open_until = [0.0] * len(self.engines)
+        self.failovers = 0
+        self.engine_faults = 0
+        # Registered DAGs and their finished nodes, replayed by a restarted router.
+        self.journal = journal
+        self._journal_replayed = False
         self._live: dict[str, _Live] = {}
         # Live workflows (no registered DAG): key -> [outstanding requests, last activity].
         self._open_wf: dict[str, list[float]] = {}
@@ -264,7 +334,35 @@ class RouterService:
                 self._loop.create_task(self._poll_engines()),
                 self._loop.create_task(self._sweep_workflows()),
             ]
+        if self.journal is not None and not self._journal_replayed:
+            self._journal_replayed = True
+            self._replay_journal()
         await self._refresh_engines()
+
+    def _replay_journal(self) -> None:
+        assert self.journal is not None
+        now = self.now()
+        registry = self.ctx.workflows
+        for key, entry in self.journal.live().items():
+            rec = entry["register"]
+            body = dict(rec.get("dag") or {})
+            body["arrival_s"] = 0.0
+            try:
+                wf = Workflow.from_dict(body)
+            except (WorkflowError, TypeError, ValueError) as exc:
+                log.warning("journal: dropping workflow %s: %s", key, exc)
+                continue
+            # Same deadline on the wall clock as before the restart.
+            age = max(time.time() - float(rec.get("wall") or time.time()), 0.0)
+            arrival = now - age
+            wst = WorkflowState(wf, key, wf.app, arrival, arrival + wf.deadline_s)
+            registry.active[key] = wst
+            for node_id, engine in entry["finished"].items():
+                if node_id in wf.nodes:
+                    ns = wst.node(node_id)
+                    ns.engine = engine if 0 <= engine < len(self.engines) else None
+                    ns.submitted_s = ns.finished_s = now
+            log.info("journal: workflow %s back with %d nodes done", key, len(entry["finished"]))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -273,6 +371,8 @@ class RouterService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.journal is not None:
+            self.journal.close()
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
 
     def now(self) -> float:
@@ -290,17 +390,19 @@ class RouterService:
         state = self.ctx.state
 
         async def one(slot: int, engine: EngineClient) -> None:
+            timeout = self.health_timeout_s
             try:
-                ok = await asyncio.wait_for(engine.healthy(), timeout=5.0)
-                stats = await asyncio.wait_for(engine.stats(), timeout=5.0) if ok else None
+                ok = await asyncio.wait_for(engine.healthy(), timeout=timeout)
+                stats = await asyncio.wait_for(engine.stats(), timeout=timeout) if ok else None
             except Exception as exc:  # an engine's failure must not stop the poller
-                log.warning("engine %s: health/stats failed: %s", engine.name, exc)
+                log.warning("engine %s: health/stats failed: %r", engine.name, exc)
                 ok, stats = False, None
-            was = state.loads[slot].healthy
-            state.set_healthy(slot, ok)
-            if was and not ok:
-                # Its cache is unreachable (or gone): stop steering prefixes to it.
-                self.ctx.index.remove_engine_blocks(engine.name)
+            if not ok:
+                # Dead or hung: pull its requests off now rather than at their timeouts.
+                self._mark_down(slot, "health check failed")
+            elif not state.loads[slot].healthy and self.now() >= self._open_until[slot]:
+                log.info("engine %s is back", engine.name)
+                state.set_healthy(slot, True)
             if stats is not None:
                 state.on_stats(slot, stats)
             load = state.loads[slot]
@@ -317,12 +419,50 @@ class RouterService:
     async def _poll_engines(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
+            self._check_stalls()
             await self._refresh_engines()
 
-    def _engine_failed(self, slot: int, exc: BaseException) -> None:
-        log.warning("engine %s failed a request: %s", self.engines[slot].name, exc)
-        # Out of rotation until the next health check says it is back.
-        self.ctx.state.set_healthy(slot, False)
+    def _check_stalls(self) -> None:
+        now = self.now()
+        limit = self.request_timeout_s
+        for live in list(self._live.values()):
+            if live.waiting is None:
+                continue
+            waited = now - live.last_s
+            quiet = now - max(live.last_s, self._progress[live.slot])
+            if quiet > limit or waited > 5 * limit:
+                if self.ctx.state.loads[live.slot].healthy:
+                    self._engine_failed(live.slot, f"no output for {waited:.1f} s")
+                _expire(live)
+
+    def _engine_failed(self, slot: int, exc: BaseException | str) -> None:
+        """A request failed by the engine's fault: count it on the breaker."""
+        self.engine_faults += 1
+        if not self.ctx.state.loads[slot].healthy:
+            # Already out: the other requests it held fail with it, one outage not many.
+            log.info("engine %s failed a request while out: %r", self.engines[slot].name, exc)
+            return
+        self._fails[slot] += 1
+        backoff = self.breaker_base_s * 2 ** min(self._fails[slot] - 1, 16)
+        self._open_until[slot] = self.now() + min(backoff, self.breaker_max_s)
+        log.warning("engine %s failed a request: %r", self.engines[slot].name, exc)
+        self._mark_down(slot, str(exc))
+
+    def _mark_down(self, slot: int, why: str) -> None:
+        """Out of rotation until a health check after the breaker's cool-down says it is
+        back; its cache is unreachable (or gone), so its prefixes leave the index."""
+        state = self.ctx.state
+        if state.loads[slot].healthy:
+            log.warning("engine %s out of rotation: %s", self.engines[slot].name, why)
+            state.set_healthy(slot, False)
+            self.ctx.index.remove_engine_blocks(self.engines[slot].name)
+        self._open_until[slot] = max(self._open_until[slot], self.now() + self.breaker_base_s)
+        for live in self._live.values():
+            if live.slot == slot:
+                _expire(live)
+
+    def _engine_ok(self, slot: int) -> None:
+        self._fails[slot] = 0
 
     # -- placement -------------------------------------------------------------------
     def _scoped(self, workflow_id: str, tenant: str) -> str:
@@ -388,49 +528,140 @@ class RouterService:
         self.metrics.observe_decision(
             self.policy_name, placement.kind.value, self.router.decision_us[-1] * 1e-6
         )
-        live = _Live(req, placement.engine, wkey, node_id, now)
+        live = _Live(req, placement.engine, wkey, node_id, now, info)
         self._live[req.request_id] = live
         return live, placement
 
     async def open(self, req: ServiceRequest) -> RouterStream:
         """Place `req` and start it; returns once its first chunk is in hand, so a bad
-        request or a dead engine is an error status, not a broken stream."""
+        request or a dead engine is an error status, not a broken stream. An engine that
+        fails before the first chunk hands the request to another engine."""
         live, placement = self._place(req)
+        try:
+            try:
+                gen, first = await self._start(live, placement.priority)
+            except _EngineFault as fault:
+                gen, first = await self._failover(live, fault)
+        except BaseException:
+            live.failed = True
+            self._finish(live)
+            raise
+        self._on_chunk(live, first)
+        stream = RouterStream(
+            self, live, self.engines[live.slot].name, placement.kind.value, gen, first
+        )
+        stream.resumed = live.failovers
+        return stream
+
+    async def _start(
+        self, live: _Live, priority: int
+    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
+        """Submit `live` (from the tokens it already has) to its engine; its first chunk."""
+        req = live.req
         engine = self.engines[live.slot]
-        prio = placement.priority
-        if not prio and req.identity.priority is not None:
-            prio = req.identity.priority  # the client's hint when the policy has none
+        if not priority and req.identity.priority is not None:
+            priority = req.identity.priority  # the client's hint when the policy has none
+        prompt = req.prompt_token_ids
+        if live.out_ids:
+            # A continuation: what the client already has becomes part of the prompt.
+            prompt = prompt + live.out_ids
         greq = GenerateRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            max_tokens=req.max_tokens,
-            priority=prio,
+            request_id=req.request_id
+            if not live.failovers
+            else f"{req.request_id}~{live.failovers}",
+            prompt_token_ids=prompt,
+            max_tokens=req.max_tokens - len(live.out_ids),
+            priority=priority,
             ignore_eos=req.ignore_eos,
             temperature=req.temperature,
             extra=req.extra,
         )
-        gen = engine.generate(greq)
         try:
-            first = await gen.__anext__()
-        except BaseException as exc:
-            live.failed = True
-            with contextlib.suppress(Exception):
-                aclose = getattr(gen, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            self._finish(live)
-            if isinstance(exc, ValueError):
-                raise BadRequest(str(exc), "prompt") from None
-            if isinstance(exc, StopAsyncIteration):
-                raise Unavailable(
-                    f"engine {engine.name} ended the request without output"
-                ) from None
-            if isinstance(exc, Exception) and not isinstance(exc, ServiceError):
-                self._engine_failed(live.slot, exc)
-                raise Unavailable(f"engine {engine.name} failed: {exc}", None, 1.0) from None
+            gen = engine.generate(greq)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "prompt") from None
+        except Exception as exc:
+            raise _EngineFault(live.slot, exc) from None
+        try:
+            first = await self._next_chunk(live, gen)
+        except BaseException:
+            await _aclose(gen)
             raise
-        self._on_chunk(live, first)
-        return RouterStream(self, live, engine.name, placement.kind.value, gen, first)
+        return gen, first
+
+    async def _next_chunk(self, live: _Live, gen: AsyncIterator[TokenChunk]) -> TokenChunk:
+        """The engine's next chunk, or `_EngineFault` if it errs, stalls past the request
+        timeout or is found dead meanwhile. A `ValueError` is the request's own fault."""
+        slot = live.slot
+        live.last_s = self.now()
+        try:
+            try:
+                # No timer per chunk: the poller's stall check (_check_stalls) and the
+                # health check end this wait when the engine stops making progress.
+                async with asyncio.timeout(None) as waiting:
+                    live.waiting = waiting
+                    return await gen.__anext__()
+            finally:
+                live.waiting = None  # before the handlers below, which may mark engines down
+        except TimeoutError:
+            raise _EngineFault(slot, "stalled or found down") from None
+        except StopAsyncIteration:
+            self._engine_failed(slot, "ended the request without output")
+            raise _EngineFault(slot, "ended the request without output") from None
+        except ValueError as exc:
+            raise BadRequest(str(exc), "prompt") from None
+        except (ServiceError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            self._engine_failed(slot, exc)
+            raise _EngineFault(slot, exc) from None
+
+    async def _failover(
+        self, live: _Live, fault: _EngineFault
+    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
+        """Move `live` off a failed engine: placed again (without the engines now down),
+        resubmitted with the prompt plus the tokens already sent, max_tokens reduced."""
+        rid = live.req.request_id
+        while True:
+            if live.failovers >= self.max_failovers:
+                raise Unavailable(
+                    f"request {rid} failed on {live.failovers + 1} engines; last: {fault}",
+                    None,
+                    1.0,
+                )
+            if len(live.out_ids) >= live.req.max_tokens:
+                # Every token was sent; only the engine's closing chunk was lost.
+                return _empty(), TokenChunk((), True, "length")
+            live.failovers += 1
+            self.failovers += 1
+            # Release the failed engine's charge, then place as if the request were new.
+            self.router.on_first_token(rid)
+            self.ctx.state.on_finish(rid)
+            prompt = live.req.prompt_token_ids + live.out_ids
+            info = live.info
+            assert info is not None
+            info = replace(
+                info,
+                prompt_tokens=len(prompt),
+                max_tokens=live.req.max_tokens - len(live.out_ids),
+                block_hashes=hash_token_blocks(prompt, self.block_size),
+            )
+            try:
+                placement = self.router.route(info, self.now())
+            except NoHealthyEngine:
+                raise Unavailable("no healthy engine can take the request", None, 2.0) from None
+            log.info(
+                "request %s moves from %s to %s after %d tokens",
+                rid,
+                self.engines[fault.slot].name,
+                self.engines[placement.engine].name,
+                len(live.out_ids),
+            )
+            live.slot = placement.engine
+            try:
+                return await self._start(live, placement.priority)
+            except _EngineFault as again:
+                fault = again
 
     async def complete(self, req: ServiceRequest) -> ServiceResult:
         """Run `req` to the end (the non-streaming path: one call, one answer)."""
@@ -460,6 +691,11 @@ class RouterService:
         if chunk.num_cached_tokens:
             live.cached = chunk.num_cached_tokens
         live.n_out += len(chunk.token_ids)
+        live.last_s = self._progress[live.slot] = self.now()
+        if chunk.token_ids:
+            live.out_ids.extend(chunk.token_ids)
+        if chunk.finished and chunk.finish_reason != "abort":
+            self._engine_ok(live.slot)
 
     def _finish(self, live: _Live) -> None:
         rid = live.req.request_id
@@ -468,7 +704,14 @@ class RouterService:
         now = self.now()
         if live.first_s is None:
             self.router.on_first_token(rid)
+        before = self.ctx.workflows.active.get(live.wkey)
+        registered = before is not None and before.workflow is not None
         self.router.on_finish(rid, live.wkey, live.node_id, now)
+        if registered and self.journal is not None:
+            if not (live.failed or live.cancelled):
+                self.journal.finish(live.wkey, live.node_id, live.slot)
+            if live.wkey not in self.ctx.workflows.active:
+                self.journal.close_workflow(live.wkey)
         engine = self.engines[live.slot].name
         prompt = len(live.req.prompt_token_ids)
         self.metrics.observe_request(
@@ -521,6 +764,22 @@ class RouterService:
                 continue
             self._close_live(wkey)
             closed += 1
+        # Registered DAGs whose client gave up half-way would otherwise stay forever.
+        for wkey, wst in list(self.ctx.workflows.active.items()):
+            if wst.workflow is None or wkey in self._open_wf:
+                continue
+            nodes = wst.nodes.values()
+            if any(ns.submitted_s is not None and ns.finished_s is None for ns in nodes):
+                continue
+            times = [t for ns in nodes for t in (ns.submitted_s, ns.finished_s) if t is not None]
+            last = max(times, default=wst.arrival_s)
+            if now - last < self.idle_workflow_s:
+                continue
+            self.ctx.workflows.close(wkey, last)
+            if self.journal is not None:
+                self.journal.close_workflow(wkey)
+            self.metrics.observe_workflow(wst.app, last - wst.arrival_s, False)
+            closed += 1
         return closed
 
     def _close_live(self, wkey: str) -> None:
@@ -558,6 +817,8 @@ class RouterService:
         # Keyed by the tenant-scoped id: one API key cannot see or extend another's run.
         registry.active[key] = WorkflowState(wf, key, wf.app, now, now + wf.deadline_s)
         self._open_wf.pop(key, None)
+        if self.journal is not None:
+            self.journal.register(key, body, wf.deadline_s)
         return self._status(key, wf.workflow_id)
 
     def workflow_status(self, workflow_id: str, tenant: str = "") -> dict[str, Any]:
@@ -625,6 +886,8 @@ class RouterService:
             "completed": self.completed,
             "failed": self.failed,
             "cancelled": self.cancelled,
+            "failovers": self.failovers,
+            "engine_faults": self.engine_faults,
         }
 
     def render_metrics(self, http_codes: Mapping[int, int] | None = None) -> tuple[bytes, str]:

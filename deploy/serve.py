@@ -20,14 +20,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 import yaml
 from fastapi import FastAPI
 
 from deploy.build import EngineSpec, RouterActor, ServiceConfig, build_service, resolve_profile
-from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_app
+from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
 from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -55,7 +55,9 @@ def load_api_keys(path: str | None, env: Mapping[str, str]) -> tuple[str, ...]:
 
 def load_config_file(path: str | None) -> dict[str, Any]:
     """`--config FILE` (YAML): `params` (policy parameters), `sim_speed`,
-    `max_outstanding`, `engine_options`, `kv_events`, `gateway` (GatewayConfig fields)."""
+    `max_outstanding`, `engine_options`, `kv_events`, `gateway` (GatewayConfig fields),
+    `reliability` (ServiceConfig's fault-handling fields: `journal`, `request_timeout_s`,
+    `health_timeout_s`, `max_failovers`, `router_max_restarts`)."""
     if not path:
         return {}
     try:
@@ -74,6 +76,7 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         "engine_options",
         "kv_events",
         "gateway",
+        "reliability",
     }
     unknown = set(data) - known
     if unknown:
@@ -183,6 +186,10 @@ def ray_router_factory(cfg: ServiceConfig) -> Any:
             max_concurrency=max(cfg.max_outstanding * 2, 1000),
             num_cpus=0,
             get_if_exists=False,
+            # Ray brings a dead router back; it replays the journal (registered DAGs and
+            # their progress) and requests in flight got a retryable 503 meanwhile.
+            max_restarts=cfg.router_max_restarts,
+            max_task_retries=0,
         ).remote(cfg)
         engines = await handle.start.remote()
         log.info("router actor up with engines %s", engines)
@@ -210,6 +217,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_outstanding=int(file_cfg.get("max_outstanding", 8192)),
         kv_events=kv_events,
         engine_options=file_cfg.get("engine_options", {}),
+        **_reliability(file_cfg.get("reliability") or {}),
     )
     from scheduler.registry import default_registry
 
@@ -240,6 +248,8 @@ def serve_main(args: argparse.Namespace) -> int:
             ray.init(include_dashboard=False)
         factory = ray_router_factory(cfg)
     app = create_app(factory, tokenizer, gcfg)
+    if gcfg.admin_port is not None:
+        return _serve_two(app, args.host, args.port, gcfg.admin_port)
     log.info(
         "wasma gateway on http://%s:%d (policy %s, engines %s, auth %s)",
         args.host,
@@ -261,6 +271,57 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
+_RELIABILITY_KEYS = {
+    "journal": str,
+    "request_timeout_s": float,
+    "health_timeout_s": float,
+    "max_failovers": int,
+    "router_max_restarts": int,
+}
+
+
+def _reliability(data: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(data, Mapping) or set(data) - set(_RELIABILITY_KEYS):
+        raise ConfigError(f"--config reliability: known keys are {sorted(_RELIABILITY_KEYS)}")
+    try:
+        return {k: _RELIABILITY_KEYS[k](v) for k, v in data.items()}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--config reliability: {exc}") from None
+
+
+def _server(
+    app: FastAPI, host: str, port: int, lifespan: Literal["auto", "on", "off"] = "auto"
+) -> uvicorn.Server:
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            loop="uvloop",
+            http="httptools",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=30,
+            lifespan=lifespan,
+        )
+    )
+
+
+def _serve_two(app: FastAPI, host: str, port: int, admin_port: int) -> int:
+    """The API on `port`, `/health` and `/metrics` on `admin_port`, one process."""
+    log.info("wasma gateway on http://%s:%d, health and metrics on port %d", host, port, admin_port)
+    main = _server(app, host, port)
+    admin = _server(create_admin_app(app), host, admin_port, lifespan="off")
+
+    async def both() -> None:
+        await asyncio.gather(main.serve(), admin.serve())
+
+    import uvloop
+
+    uvloop.run(both())
+    return 0
+
+
 # -- running a gateway in a thread (tests, benchmarks, demos) ---------------------------
 
 
@@ -274,7 +335,12 @@ class ServerThread:
     """uvicorn serving `app` on a loopback port in a background thread."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, loop: str = "asyncio"
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        loop: str = "asyncio",
+        admin_port: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -289,6 +355,21 @@ class ServerThread:
             lifespan="on",
         )
         self.server = uvicorn.Server(config)
+        # `/health` and `/metrics` apart (GatewayConfig.admin_port), on the same loop.
+        self.admin: uvicorn.Server | None = None
+        self.admin_port = admin_port
+        if admin_port is not None:
+            self.admin = uvicorn.Server(
+                uvicorn.Config(
+                    create_admin_app(app),
+                    host=self.host,
+                    port=admin_port,
+                    loop=loop,
+                    access_log=False,
+                    log_level="warning",
+                    lifespan="off",
+                )
+            )
         self._thread = threading.Thread(target=self._run, name="wasma-gateway", daemon=True)
         self._error: BaseException | None = None
 
@@ -297,8 +378,14 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def _run(self) -> None:
+        async def serve() -> None:
+            if self.admin is None:
+                await self.server.serve()
+            else:
+                await asyncio.gather(self.server.serve(), self.admin.serve())
+
         try:
-            asyncio.run(self.server.serve())
+            asyncio.run(serve())
         except BaseException as exc:  # surfaced by start()
             self._error = exc
 
@@ -315,6 +402,8 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.should_exit = True
+        if self.admin is not None:
+            self.admin.should_exit = True
         self._thread.join(timeout=30)
 
     def __enter__(self) -> ServerThread:
