@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -116,7 +117,8 @@ def test_every_endpoint_survives_fuzzed_requests(
     wid: str,
 ) -> None:
     verb, path = endpoint
-    path = path.replace("{id}", httpx.URL("/" + wid).path.lstrip("/") or "x")
+    # Any printable id, percent-encoded into one path segment (as a client must send it).
+    path = path.replace("{id}", quote(wid, safe="") or "x")
     sent: dict[str, Any] = {k: v for k, v in headers.items() if k != "content-length"}
     if auth:
         sent["authorization"] = auth
