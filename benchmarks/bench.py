@@ -142,6 +142,41 @@ class CapacitySearch:
             self.next_scale = (self.lo * self.hi) ** 0.5
 
 
+def sweep_capacity(
+    runner: Runner,
+    pairs: list[tuple[str, str]],
+    engines: int,
+    profile: str,
+    params: Mapping[str, Mapping[str, Any]],
+    on_row: Callable[[dict[str, Any]], None],
+) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
+    """Capacity of each (trace, policy): the searches run side by side, each submitting
+    its next rate as soon as its last result is in."""
+    searches = {pair: CapacitySearch(*pair) for pair in pairs}
+    rows: list[dict[str, Any]] = []
+    inflight: dict[Any, CapacitySearch] = {}
+
+    def launch(s: CapacitySearch) -> None:
+        assert s.next_scale is not None
+        pp = dict(params.get(s.policy, {}))
+        inflight[runner.submit(RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp))] = s
+
+    for s in searches.values():
+        launch(s)
+    while inflight:
+        done, _ = runner.wait_any(list(inflight))
+        for h in done:
+            s = inflight.pop(h)
+            row = runner.result(h)
+            row["sweep"] = True
+            rows.append(row)
+            on_row(row)
+            s.report(row["rate_scale"], row["deadline_attainment"])
+            if s.next_scale is not None:
+                launch(s)
+    return {pair: s.lo for pair, s in searches.items()}, rows
+
+
 def bench(
     traces: list[str],
     policies: list[str],
@@ -181,30 +216,12 @@ def bench(
     with Runner(workers, ray_address) as runner:
         runs.extend(runner.run_all(grid, tick))
         if sweep:
-            searches = [CapacitySearch(t, p) for t in traces for p in policies]
-            inflight: dict[Any, CapacitySearch] = {}
-
-            def launch(s: CapacitySearch) -> None:
-                assert s.next_scale is not None
-                pp = dict(params.get(s.policy, {}))
-                spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp)
-                inflight[runner.submit(spec)] = s
-
-            for s in searches:
-                launch(s)
-            while inflight:
-                done, _ = runner.wait_any(list(inflight))
-                for h in done:
-                    s = inflight.pop(h)
-                    row = runner.result(h)
-                    row["sweep"] = True
-                    runs.append(row)
-                    tick(row)
-                    s.report(row["rate_scale"], row["deadline_attainment"])
-                    if s.next_scale is not None:
-                        launch(s)
-            for s in searches:
-                capacity.setdefault(Path(s.trace).name, {})[s.policy] = s.lo
+            found, rows = sweep_capacity(
+                runner, [(t, p) for t in traces for p in policies], engines, profile, params, tick
+            )
+            runs.extend(rows)
+            for (trace, policy), scale in found.items():
+                capacity.setdefault(Path(trace).name, {})[policy] = scale
     bar.close()
     runs.sort(key=lambda r: (r["trace"], r["policy"], r["rate_scale"]))
     results: dict[str, Any] = {"runs": runs}

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.apps import generate
-from benchmarks.bench import CapacitySearch, Runner, RunSpec
+from benchmarks.bench import Runner, RunSpec, sweep_capacity
 from benchmarks.metrics import percentile
 from benchmarks.report import plot_results
 from engines.base import BlockStored
@@ -47,33 +47,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "admission": {"admission_batch": 10**9},
     "load_aware": {"load_aware": False},
 }
-
-
-def sweep(
-    runner: Runner, specs: list[tuple[str, str]], engines: int, profile: str, bar: tqdm
-) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
-    searches = {key: CapacitySearch(*key) for key in specs}
-    rows: list[dict[str, Any]] = []
-    inflight: dict[Any, CapacitySearch] = {}
-
-    def launch(s: CapacitySearch) -> None:
-        assert s.next_scale is not None
-        inflight[runner.submit(RunSpec(s.trace, s.policy, s.next_scale, engines, profile))] = s
-
-    for s in searches.values():
-        launch(s)
-    while inflight:
-        done, _ = runner.wait_any(list(inflight))
-        for h in done:
-            s = inflight.pop(h)
-            row = runner.result(h)
-            row["sweep"] = True
-            rows.append(row)
-            bar.update(1)
-            s.report(row["rate_scale"], row["deadline_attainment"])
-            if s.next_scale is not None:
-                launch(s)
-    return {k: s.lo for k, s in searches.items()}, rows
 
 
 def decision_latency(engines: int, blocks: int, requests: int = 2000) -> dict[str, float]:
@@ -149,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=total, desc="make bench", unit="run")
     runs: list[dict[str, Any]] = []
     with Runner(args.workers, args.address) as runner:
-        caps, rows = sweep(
+        caps, rows = sweep_capacity(
             runner,
             [(traces[a], p) for a in APPS for p in SWEPT],
             args.engines,
             profile.name,
-            bar,
+            {},
+            lambda _row: bar.update(1),
         )
         runs += rows
         specs: list[RunSpec] = []
@@ -178,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     results = {"runs": runs, "capacity": capacity, "decision_latency": decisions}
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot_results(
-        {"runs": [r for r in runs if not r.get("sweep") and not r.get("params")]}, out
-    )
+    plot_results({"runs": [r for r in runs if not r.get("sweep") and not r.get("params")]}, out)
     md = targets_markdown(results, traces)
     (out / "targets.md").write_text(md)
     print(md)
