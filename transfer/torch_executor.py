@@ -116,8 +116,9 @@ class TorchDistExecutor(Executor):
         if not plan.hops:
             return ExecutionResult(plan, self.name, 0.0, (), True)
         devices = plan.devices
-        # CUDA cannot be forked; gloo on CPU can, and forking skips re-importing torch.
-        ctx: Any = mp.get_context("spawn" if self.backend == "nccl" else "fork")
+        # Spawn, never fork: CUDA cannot be forked, and a fork of a process whose torch
+        # (OpenMP) or vLLM threads are running can deadlock in the child.
+        ctx: Any = mp.get_context("spawn")
         results: Any = ctx.Queue()
         port = _free_port()
         gpu_of = {d: self.gpu_of.get(d, i) for i, d in enumerate(devices)}
