@@ -33,6 +33,7 @@ import httpx
 
 from benchmarks.metrics import summarize
 from benchmarks.sim_replay import RequestRecord, RunResult, WorkflowRecord
+from engines.openai_engine import sse_events
 from scheduler.tokens import TokenMaterialiser, stream_id
 from scheduler.trace import load_trace
 from scheduler.workflow import ContextOf, OutputOf, Shared, Unique, Workflow
@@ -171,13 +172,7 @@ class Replayer:
                     raise ReplayError(f"HTTP {resp.status_code}: {text}")
                 engine = resp.headers.get("x-wasma-engine", "unknown")
                 kind = resp.headers.get("x-wasma-placement", "unknown")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
+                async for event in sse_events(resp):
                     if "error" in event:
                         raise ReplayError(f"stream error: {event['error']}")
                     usage = event.get("usage")

@@ -247,13 +247,7 @@ class OpenAIEngine(EngineClient):
                 # The finishing chunk is held back until the usage event that follows it
                 # (it carries the cache hit), so `finished` comes exactly once, last.
                 last: TokenChunk | None = None
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
+                async for event in sse_events(resp):
                     if "error" in event:
                         raise RemoteEngineError(f"{self.name}: {event['error']}")
                     chunk = _chunk_of(event)
@@ -272,6 +266,18 @@ class OpenAIEngine(EngineClient):
                 yield last
         except httpx.HTTPError as exc:
             raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent event stream, up to `[DONE]`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event: dict[str, Any] = json.loads(data)
+        yield event
 
 
 def _chunk_of(event: dict[str, Any]) -> TokenChunk | None:
