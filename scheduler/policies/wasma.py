@@ -2,21 +2,23 @@
 
 For each request the policy estimates, on every engine, when the request would finish:
 the prefill work already queued there, its own prefill of the tokens not already cached
-(or moved there), and its decode at that engine's batch. It picks the earliest finish.
-What makes that estimate workflow-aware:
+(or moved there), and its decode at that engine's batch, plus the delay it imposes on
+the requests already there. It picks the lowest. What makes that estimate workflow-aware:
 
 - siblings: a request's prompt blocks count as "on the engine" from the moment it is
-  placed (an in-flight overlay), so siblings that share a prompt head (map workers over
-  one document, debaters over one topic) land together and prefill it once, in the
+  placed (an in-flight overlay) where no engine holds them yet, so siblings that share
+  a prompt head (debaters over one topic) land together and prefill it once, in the
   same vLLM step, instead of once per engine;
 - transfer: if another engine holds a longer prefix, moving it is priced by the transfer
   planner, counting only the part not hidden behind the request's queueing;
-- priority: slack = deadline - now - the node's remaining critical path; the engine runs
-  the least slack first (vLLM priority scheduling). Workflows that can no longer make
-  their deadline drop to the lowest class: they still finish, but never ahead of
-  workflows that can;
-- retention: nodes whose context descendants will reuse are flagged so engines evict
-  that KV last (the simulator's KV cache and wasma's vLLM plugin honour it).
+- priority: slack = deadline - now - the node's remaining critical path (from the DAG, or
+  the app's learned shape); the engine runs the least slack first (vLLM priority
+  scheduling). Workflows that can no longer make their deadline drop to the lowest
+  class: they still finish, but never ahead of workflows that can;
+- admission: where the driver can hold requests, new workflows (and hopeless ones) wait
+  at the router while their engine is saturated;
+- retention: nodes whose context descendants will extend are flagged so the engine
+  evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet).
 """
 
 from __future__ import annotations
