@@ -364,10 +364,10 @@ def _write(out: Path, payload: dict[str, Any]) -> None:
 
 
 def freeze_source() -> str:
-    """Copy wasma's packages to a temp dir and run every `wasma serve` from there: the
-    working tree is shared with engineers editing it, and a half-saved file picked up by
-    one router start (seen: a RouterService missing a method mid-edit) would fail that
-    run. `python -m` puts the cwd first on sys.path, ahead of the editable install."""
+    """Copy wasma's packages to a temp dir and run every `wasma serve` from there: a
+    file edited while the benchmark runs (a half-saved module picked up by one router
+    start) would otherwise change or fail that run. `python -m` puts the cwd first on
+    sys.path, ahead of the editable install."""
     root = Path(__file__).resolve().parent.parent
     snap = tempfile.mkdtemp(prefix="wasma-peers-src-")
     for pkg in ("scheduler", "engines", "transfer", "deploy", "benchmarks"):
