@@ -12,28 +12,6 @@ import pytest
 from deploy.cli import main
 from scheduler.trace import load_trace
 
-RESULT_FIELDS = [
-    "trace",
-    "policy",
-    "rate_scale",
-    "engines",
-    "profile",
-    "workflows",
-    "requests",
-    "duration_s",
-    "goodput_wf_per_s",
-    "deadline_attainment",
-    "p50_workflow_s",
-    "p95_workflow_s",
-    "p99_workflow_s",
-    "p95_request_s",
-    "p95_ttft_s",
-    "prefix_hit_ratio",
-    "recomputed_prompt_tokens",
-    "transferred_bytes",
-    "decision_p99_us",
-]
-
 
 def gen(out: Path, app: str = "debate", n: int = 3, seed: int = 1, rate: str = "2") -> int:
     return main(
@@ -129,7 +107,10 @@ def test_trace_gen_bad_flags(
 
 
 def test_bench_writes_results_plots_and_table(
-    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    trace_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    result_fields: dict[str, type],
 ) -> None:
     out = tmp_path / "out"
     rc = main(
@@ -155,7 +136,7 @@ def test_bench_writes_results_plots_and_table(
     res = json.loads((out / "results.json").read_text())
     assert len(res["runs"]) == 4
     for r in res["runs"]:
-        missing = [f for f in RESULT_FIELDS if f not in r]
+        missing = [f for f in result_fields if f not in r]
         assert not missing
         assert r["trace"] == "debate.jsonl" and r["engines"] == 2
     assert {(r["policy"], r["rate_scale"]) for r in res["runs"]} == {
