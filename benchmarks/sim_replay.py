@@ -173,7 +173,12 @@ class SimReplay:
 
     # -- workflow logic --------------------------------------------------------------
     def _submit(
-        self, wf: Workflow, node_id: str, now: float, held_since: float | None = None
+        self,
+        wf: Workflow,
+        node_id: str,
+        now: float,
+        held_since: float | None = None,
+        force: bool = False,
     ) -> None:
         bs = self.profile.block_size
         full = self.hasher.chain(wf.context_span(node_id))
@@ -199,7 +204,7 @@ class SimReplay:
         for slot in self._macro:
             engines[slot].sync(now)
         placement = self.router.route(info, now)
-        if placement.defer:
+        if placement.defer and not force:
             heapq.heappush(
                 self._held, (placement.priority, self._seq, wf, node_id, held_since or now)
             )
@@ -311,8 +316,15 @@ class SimReplay:
                     self._arrival.setdefault(req.request_id, submitted)
                     self._add(slot, req, now)
             else:
-                self._arrive(wfs[i], next_arrival)
+                now = next_arrival
+                self._arrive(wfs[i], now)
                 i += 1
+            if not heap and self._held and i == n:
+                # Nothing runs and nothing arrives that could free capacity: a held
+                # request would wait forever. Policies should not hold for an idle
+                # cluster; this keeps a run finite (and every request completed) if one does.
+                _prio, _s, wf, node_id, since = heapq.heappop(self._held)
+                self._submit(wf, node_id, now, held_since=since, force=True)
         if self._left:
             raise RuntimeError(f"{len(self._left)} workflows never finished (simulator bug)")
         return RunResult(

@@ -44,7 +44,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "priority": {"priority": False},
     "retain": {"retain": False},
     "hopeless": {"hopeless": False},
-    "admission": {"admission_batch": 10**9},
+    "admission": {"admission": False, "hopeless_slowdown": 1e9},
     "load_aware": {"load_aware": False},
 }
 

@@ -15,8 +15,10 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   the app's learned shape); the engine runs the least slack first (vLLM priority
   scheduling). Workflows that can no longer make their deadline drop to the lowest
   class: they still finish, but never ahead of workflows that can;
-- admission: where the driver can hold requests, new workflows (and hopeless ones) wait
-  at the router while their engine is saturated;
+- admission: where the driver can hold requests, a new workflow whose predicted finish
+  under the current load is past its deadline waits at the router (admitting it would
+  only slow those admitted before it), and requests already hopeless wait for a quiet
+  engine; held work is offered again, most urgent first, whenever a request finishes;
 - retention: nodes whose context descendants will extend are flagged so the engine
   evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet).
 """
@@ -59,11 +61,17 @@ class Wasma(Policy):
         # Above this many engines, score the prefix holders plus a rotating sample of
         # this many others (power-of-d choices) so a decision stays O(d), not O(N).
         "max_candidates": 64,
-        # Deadline-aware admission: vLLM admits every request it has KV for, so under
+        # Deadline-aware admission. vLLM admits every request it has KV for, so under
         # overload the running batch (and every step) grows until nobody meets a
-        # deadline. A workflow that can no longer make its deadline is held at the router
-        # while its best engine runs more than this many requests, and completed later.
-        "admission_batch": 48,
+        # deadline. A new workflow is held at the router while its predicted finish (its
+        # remaining critical path slowed by the load on its best engine) would exceed
+        # `admission_margin` x its time to deadline: it would miss anyway, and admitting
+        # it slows everyone admitted before it.
+        "admission": True,
+        "admission_margin": 1.0,
+        # A request that can no longer make its deadline is held while its best engine's
+        # predicted slowdown exceeds this factor, and completed when load allows.
+        "hopeless_slowdown": 1.5,
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -78,9 +86,7 @@ class Wasma(Policy):
         self._rotate = 0
 
     # -- workflow lookahead ----------------------------------------------------------
-    def _lookahead(
-        self, wst: WorkflowState | None, req: RequestInfo
-    ) -> tuple[float | None, bool]:
+    def _lookahead(self, wst: WorkflowState | None, req: RequestInfo) -> tuple[float | None, bool]:
         """(this node's remaining critical path, whether descendants reuse its context):
         from the workflow's DAG when registered, else from the app's learned shape."""
         if wst is None or wst.workflow is None:
@@ -119,6 +125,30 @@ class Wasma(Policy):
         if self.p["hopeless"] and slack < 0:
             return _HOPELESS + int(min(-slack, 1e5) / _PRIORITY_STEP_S)
         return int(min(slack, 1e4) / _PRIORITY_STEP_S)
+
+    def _hold(
+        self, req: RequestInfo, slot: int, est: float, remaining: float | None, now: float
+    ) -> bool:
+        """Deadline-aware admission: whether to keep this request at the router for now.
+
+        The slowdown is this request's estimated time on its best engine over its time on
+        an idle one; the workflow's remaining critical path is assumed to run that much
+        slower. Admission is decided per workflow (at its roots); once admitted, its other
+        nodes always go through unless the workflow has become hopeless. Nothing is held
+        for an idle engine: there would be nothing to wait for."""
+        p = self.p
+        if remaining is None or req.deadline_s == float("inf"):
+            return False
+        if self.ctx.state.loads[slot].outstanding == 0:
+            return False
+        alone = self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens)
+        slowdown = est / alone if alone > 0 else 1.0
+        left = req.deadline_s - now
+        if left < remaining:  # cannot make it even alone: hopeless
+            return bool(p["hopeless"]) and slowdown > p["hopeless_slowdown"]
+        if not p["admission"] or req.parents:
+            return False
+        return remaining * slowdown > p["admission_margin"] * left
 
     # -- placement -------------------------------------------------------------------
     def place(self, req: RequestInfo, now: float) -> Placement:
@@ -210,13 +240,7 @@ class Wasma(Policy):
             else (PlacementKind.REUSE if hit > 0 else PlacementKind.RECOMPUTE)
         )
         priority = self._priority(req, remaining, now)
-        # Admission happens per workflow (its roots) or for workflows already hopeless;
-        # the rest of an admitted workflow always goes through.
-        defer = (
-            ctx.can_defer
-            and loads[slot].outstanding >= p["admission_batch"]
-            and ((p["hopeless"] and priority >= _HOPELESS) or not req.parents)
-        )
+        defer = ctx.can_defer and self._hold(req, slot, est, remaining, now)
         return Placement(
             engine=slot,
             kind=kind,

@@ -1,42 +1,138 @@
-"""Deadline-aware admission in the simulator: held requests are completed, never lost."""
+"""Deadline-aware admission: who is held at the router, and that held work still completes."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from benchmarks.apps import generate
 from benchmarks.sim_replay import SimReplay
 from engines.sim.profile import load_profile
+from scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
+from scheduler.prefix_index import PrefixIndex
+from scheduler.registry import PolicyRegistry, default_registry
+from scheduler.state import Charge, ClusterState
+from scheduler.workflow import Node, OutputOf, Unique, Workflow
+from scheduler.workflows import WorkflowRegistry
+
+PROF = load_profile("llama3-8b-h100")
+NO_HOLDS = {"admission": False, "hopeless_slowdown": 1e9}
 
 
 def test_held_workflows_still_complete_and_wait_for_capacity() -> None:
-    prof = load_profile("llama3-8b-h100")
-    wfs = generate("mapreduce", 30, 50.0, seed=3, profile=prof)  # far above 2 engines' capacity
-    held = SimReplay(wfs, "wasma", 2, prof, params={"admission_batch": 4})
+    wfs = generate("mapreduce", 30, 50.0, seed=3, profile=PROF)  # far above 2 engines' capacity
+    held = SimReplay(wfs, "wasma", 2, PROF)
     run = held.run()
     assert held.held_total > 0
     assert len(run.workflows) == len(wfs)
     assert len(run.requests) == sum(len(w) for w in wfs)
     # A held root counts its wait: its request latency starts when it was first offered.
-    free = SimReplay(wfs, "wasma", 2, prof, params={"admission_batch": 10**9}).run()
+    free_replay = SimReplay(wfs, "wasma", 2, PROF, params=NO_HOLDS)
+    free = free_replay.run()
+    assert free_replay.held_total == 0
     assert max(r.first_token_s - r.submit_s for r in run.requests) > max(
         r.first_token_s - r.submit_s for r in free.requests
     )
 
 
-def test_no_deferral_without_driver_support() -> None:
-    from scheduler.policy import PolicyContext, RequestInfo
-    from scheduler.prefix_index import PrefixIndex
-    from scheduler.registry import default_registry
-    from scheduler.state import Charge, ClusterState
-    from scheduler.workflows import WorkflowRegistry
+def test_admission_keeps_more_workflows_on_time_under_overload() -> None:
+    wfs = generate("pipeline", 60, 1.0, seed=5, profile=PROF)
+    # 3x the rate 2 engines sustain: without admission nearly every workflow is late.
+    kw: dict[str, Any] = {"rate_scale": 3.0}
+    on = SimReplay(wfs, "wasma", 2, PROF, **kw).run()
+    off = SimReplay(wfs, "wasma", 2, PROF, params=NO_HOLDS, **kw).run()
+    met_on = sum(w.met for w in on.workflows)
+    met_off = sum(w.met for w in off.workflows)
+    assert len(on.workflows) == len(off.workflows) == len(wfs)
+    assert met_on > met_off
 
-    prof = load_profile("llama3-8b-h100")
-    state = ClusterState(["e0"], 1000)
-    for i in range(10):
-        state.on_dispatch(f"bg{i}", 0, Charge(1, 1, 1))
-    ctx = PolicyContext(state, PrefixIndex(["e0"]), WorkflowRegistry(), prof, params={})
-    wasma = default_registry().create("wasma", ctx)
-    req = RequestInfo("r", "w", "root", "app", 64, 8, [1, 2, 3, 4], 0.0)
-    assert not wasma.place(req, 0.0).defer  # a live driver that cannot hold gets a placement
-    ctx.can_defer = True
-    wasma.p["admission_batch"] = 5
-    assert wasma.place(req, 0.0).defer
+
+def _ctx(outstanding: int, can_defer: bool = True) -> tuple[PolicyContext, Any, Workflow]:
+    state = ClusterState(["e0"], PROF.num_kv_blocks - 1)
+    for i in range(outstanding):
+        # Requests decoding long contexts: each adds to every step of the engine.
+        state.on_dispatch(f"bg{i}", 0, Charge(500, 0, 300))
+    ctx = PolicyContext(state, PrefixIndex(["e0"]), WorkflowRegistry(), PROF, can_defer=can_defer)
+    wf = Workflow.create(
+        "wf",
+        "app",
+        0.0,
+        1.0,
+        [
+            Node("root", (), 200, (Unique(4000),)),
+            Node("child", ("root",), 200, (OutputOf("root"), Unique(100))),
+        ],
+    )
+    alone = PROF.request_alone_s(4000, 200) + PROF.request_alone_s(300, 200)
+    # Deadline 1.5x the critical path alone, as generated workflows have (2x there).
+    wf = Workflow.create(wf.workflow_id, wf.app, 0.0, 1.5 * alone, list(wf.nodes.values()))
+    ctx.workflows.register(wf, 0.0)
+    return ctx, default_registry().create("wasma", ctx), wf
+
+
+def _request(wf: Workflow, node: str, now: float = 0.0) -> RequestInfo:
+    return RequestInfo(
+        f"wf/{node}",
+        "wf",
+        node,
+        "app",
+        wf.prompt_tokens(node),
+        wf.nodes[node].output_tokens,
+        [],
+        now,
+        deadline_s=wf.arrival_s + wf.deadline_s,
+        parents=wf.nodes[node].parents,
+    )
+
+
+def test_a_new_workflow_that_would_miss_is_held_and_one_that_can_make_it_is_not() -> None:
+    _ctx_idle, idle, wf = _ctx(outstanding=0)
+    assert not idle.place(_request(wf, "root"), 0.0).defer
+    _ctx_busy, busy, wf = _ctx(outstanding=120)
+    assert busy.place(_request(wf, "root"), 0.0).defer
+
+
+def test_an_admitted_workflow_is_never_held_while_it_can_make_it() -> None:
+    _ctx_busy, busy, wf = _ctx(outstanding=120)
+    # Its root ran: the child goes through although the engine is just as busy.
+    assert not busy.place(_request(wf, "child"), 0.0).defer
+
+
+def test_a_hopeless_request_waits_for_a_quiet_engine() -> None:
+    _c, busy, wf = _ctx(outstanding=120)
+    late = wf.deadline_s + 1.0  # past its deadline: the lowest class
+    placed = busy.place(_request(wf, "child", late), late)
+    assert placed.defer
+    _c, idle, wf = _ctx(outstanding=0)
+    assert not idle.place(_request(wf, "child", late), late).defer
+
+
+def test_no_deferral_without_driver_support() -> None:
+    _c, busy, wf = _ctx(outstanding=120, can_defer=False)
+    assert not busy.place(_request(wf, "root"), 0.0).defer
+
+
+class _HoldsEverything(Policy):
+    """A policy that always asks to hold: the driver must still finish the run."""
+
+    name = "holds_everything"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        return Placement(engine=0, kind=PlacementKind.RECOMPUTE, defer=True)
+
+
+def test_a_run_finishes_even_if_a_policy_holds_for_an_idle_cluster() -> None:
+    reg = PolicyRegistry()
+    reg.register(_HoldsEverything.name, _HoldsEverything)
+    wfs = generate("mapreduce", 5, 1.0, seed=1, profile=PROF)
+    replay = SimReplay(wfs, _HoldsEverything.name, 2, PROF, registry=reg)
+    run = replay.run()
+    assert replay.held_total > 0
+    assert len(run.workflows) == len(wfs)
+    assert len(run.requests) == sum(len(w) for w in wfs)
+
+
+def test_past_its_deadline_without_hopeless_demotion_a_root_is_not_held() -> None:
+    _c, busy, wf = _ctx(outstanding=120)
+    busy.p["hopeless"] = False
+    late = wf.deadline_s + 1.0
+    assert not busy.place(_request(wf, "root", late), late).defer
