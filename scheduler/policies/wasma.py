@@ -71,7 +71,7 @@ class Wasma(Policy):
         "admission_margin": 1.0,
         # A request that can no longer make its deadline is held while its best engine's
         # predicted slowdown exceeds this factor, and completed when load allows.
-        "hopeless_slowdown": 1.5,
+        "hopeless_slowdown": 2.0,
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
