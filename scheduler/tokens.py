@@ -102,11 +102,11 @@ class BlockHasher:
                 key = (parent, stream, pos, left)
                 hit = self._memo.get(key)
                 if hit is None:
-                    hashes: list[int] = []
                     h = parent
-                    for off in range(pos, pos + (left // bs) * bs, bs):
-                        h = hash((h, stream, off))
-                        hashes.append(h)
+                    hashes = [
+                        h := hash((h, stream, off))
+                        for off in range(pos, pos + (left // bs) * bs, bs)
+                    ]
                     if self._memo_hashes + len(hashes) > _MEMO_CAP_HASHES:
                         self._memo.clear()
                         self._memo_hashes = 0

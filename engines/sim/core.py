@@ -70,6 +70,9 @@ class _Macro:
     a: float
     b: float
     applied: int = 1  # sub-steps whose block allocation has happened (the first: at start)
+    # Per scheduled request, the sub-step count from which it next allocates or caches a
+    # block (filled on first use): syncs skip the requests with nothing to do.
+    due: list[int] = field(default_factory=list)
 
     def end_of(self, j: int) -> float:
         return self.start + (j + 1) * self.a + self.b * j * (j + 1) / 2
@@ -80,6 +83,13 @@ class StepOutcome:
     finished: list[SimRequest]
     first_tokens: list[SimRequest]
     tokens: list[tuple[SimRequest, int]]  # (request, tokens emitted this step)
+
+
+def _next_due(req: SimRequest, block_size: int) -> int:
+    """The first sub-step count of a macro step at which `req` needs a new block (its
+    tokens pass its blocks) or caches one (its tokens fill another block)."""
+    c0 = req.num_computed_tokens
+    return min(len(req.blocks) * block_size - c0 + 1, (req.num_cached_blocks + 1) * block_size - c0)
 
 
 class SimEngineCore:
@@ -204,19 +214,22 @@ class SimEngineCore:
     # -- scheduling ------------------------------------------------------------------
     def _allocate(self, req: SimRequest, num_new: int, hit_blocks: list[int] | None = None) -> bool:
         kv, bs = self.kv, self.block_size
-        hits = hit_blocks or []
-        total = req.num_computed_tokens + len(hits) * bs + num_new
-        need = -(-total // bs) - len(req.blocks) - len(hits)
-        if need > 0 and not kv.can_allocate(need, hits):
+        num_hits = len(hit_blocks) if hit_blocks else 0
+        total = req.num_computed_tokens + num_hits * bs + num_new
+        need = -(-total // bs) - len(req.blocks) - num_hits
+        if hit_blocks:
+            if not kv.take_hits(hit_blocks, need):
+                return False
+            req.blocks.extend(hit_blocks)
+        elif need > 0 and need > kv.num_free:
             return False
-        if hits:
-            kv.touch(hits)
-            req.blocks.extend(hits)
         if need > 0:
             req.blocks.extend(kv.allocate(need))
-        full = min(total, req.num_tokens) // bs
+        full = min(total, req.num_prompt_tokens + req.num_output_tokens) // bs
         if full > req.num_cached_blocks:
-            kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
+            # Hits are the request's first blocks (it held none before): cached already.
+            known = num_hits if req.num_cached_blocks == 0 else 0
+            kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full, known)
             req.num_cached_blocks = full
         return True
 
@@ -236,14 +249,28 @@ class SimEngineCore:
         scheduled: list[tuple[SimRequest, int]] = []
         preempted = False
         running = self.running
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_tokens = req.num_prompt_tokens + req.num_output_tokens
+            num_new = num_tokens - req.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, budget)
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
+                i += 1
+                continue
+            total = req.num_computed_tokens + num_new
+            if (
+                total <= len(req.blocks) * bs
+                and min(total, num_tokens) // bs <= req.num_cached_blocks
+            ):
+                # Fits the blocks it holds and fills none (most decode steps): `_allocate`
+                # would change nothing.
+                scheduled.append((req, num_new))
+                budget -= num_new
                 i += 1
                 continue
             ok = True
@@ -356,12 +383,13 @@ class SimEngineCore:
         if kmax <= 1:
             return kmax
         free, bs = self.kv.num_free, self.block_size
+        # Tokens each request can still compute in the blocks it holds.
+        spare = [len(r.blocks) * bs - r.num_computed_tokens for r in self.running]
 
         def blocks_needed(k: int) -> int:
-            # After k steps a request has computed c0 + k tokens and needs their blocks.
-            return sum(
-                max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.blocks)) for r in self.running
-            )
+            # After k steps a request has computed k more tokens and needs their blocks:
+            # ceil((k - spare) / bs) new ones once k passes its spare room.
+            return sum([-((s - k) // bs) for s in spare if s < k])
 
         if blocks_needed(kmax) <= free:
             return kmax
@@ -407,8 +435,11 @@ class SimEngineCore:
         m = self._macro
         if m is None or not self.busy:
             return
-        # Sub-step j > 0 is scheduled when sub-step j - 1 ends.
-        lo, hi = 0, m.k - 1
+        # Sub-step j > 0 is scheduled when sub-step j - 1 ends: nothing to do until the
+        # last applied one has ended (the driver syncs before every decision).
+        if m.applied >= m.k or m.end_of(m.applied - 1) > now:
+            return
+        lo, hi = m.applied, m.k - 1
         while lo < hi:
             mid = (lo + hi) // 2
             if m.end_of(mid) > now:
@@ -423,7 +454,15 @@ class SimEngineCore:
     def _apply_substeps(self, upto: int) -> None:
         """Allocate and cache the blocks of the macro's first `upto` sub-steps."""
         kv, bs = self.kv, self.block_size
-        for req, _n in self._scheduled:
+        scheduled = self._scheduled
+        m = self._macro
+        due = m.due if m is not None else []
+        if len(due) != len(scheduled):
+            due[:] = [_next_due(r, bs) for r, _n in scheduled]
+        # Requests whose next block boundary is past `upto` would do nothing: skip them
+        # (the rest keep their order, so allocation and events are unchanged).
+        for i in [i for i, d in enumerate(due) if d <= upto]:
+            req = scheduled[i][0]
             total = req.num_computed_tokens + upto
             need = -(-total // bs) - len(req.blocks)
             if need > 0:
@@ -432,6 +471,7 @@ class SimEngineCore:
             if full > req.num_cached_blocks:
                 kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
                 req.num_cached_blocks = full
+            due[i] = _next_due(req, bs)
 
     def complete_step(self, now: float) -> StepOutcome:
         """Apply the step in flight (it ended at `now`)."""
@@ -455,7 +495,7 @@ class SimEngineCore:
                 if req.num_computed_tokens < req.num_prompt_tokens or n > 1:
                     req.prefill_tokens_computed += n
                 req.num_computed_tokens += n
-                if req.num_computed_tokens >= req.num_tokens:
+                if req.num_computed_tokens >= req.num_prompt_tokens + req.num_output_tokens:
                     req.num_output_tokens += 1
                     tokens.append((req, 1))
                     if req.first_token_time < 0:

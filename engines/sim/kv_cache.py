@@ -5,15 +5,34 @@ hash, so a later request with the same prefix can take it back ("touch") until t
 block is reused for new content (evicted). Allocation takes from the front of the queue
 (least recently freed); a finished request frees its blocks tail first, so a prompt's
 shared head outlives its unique tail.
+
+The free queue is kept as runs, not blocks: the blocks one `free_blocks` call queues
+stay together until evicted or touched, and both of those take whole slices of a run
+(eviction takes a run's front, the deepest blocks of a chain; a prefix hit takes its
+back, the chain's head). So the per-block work is C-level list slicing and dict updates,
+not one OrderedDict operation per block, with the same order as a per-block queue.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import compress, groupby
+from operator import not_
 
 EvictedSink = Callable[[list[int]], None]
 StoredSink = Callable[[list[int], int | None], None]
+
+
+class _Run(list[int]):
+    """Free blocks queued together, stored *reversed*: the last item is evicted first.
+
+    Reversed storage puts a freed chain in chain order (head first), so eviction pops
+    from the list's end and a prefix hit removes the list's head."""
+
+
+class _KeptRun(_Run):
+    """A run in the retention tier (evicted after every ordinary free block)."""
 
 
 class KVCache:
@@ -32,10 +51,18 @@ class KVCache:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # chain hash -> block id
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        first = _Run(range(num_blocks - 1, 0, -1))
+        self._runs: deque[_Run] = deque([first])  # ordinary free blocks, front first
         # Free blocks whose content a pending request will reuse: evicted only after
         # every ordinary free block (the retention tier).
-        self.free_retained: OrderedDict[int, None] = OrderedDict()
+        self._kept: deque[_Run] = deque()
+        # The run each free block sits in (meaningful only while its ref count is 0).
+        self._run_of: list[_Run | None] = [None] + [first] * (num_blocks - 1)
+        self._num_plain = num_blocks - 1
+        self._num_kept = 0
+        # Blocks whose hash a transfer re-cached on another block (`seed_pinned`): they
+        # keep their queue place as hashed blocks, but evicting them removes nothing.
+        self._stale: set[int] = set()
         self.retained: dict[int, int] = {}  # chain hash -> holders of the retention
         self.on_stored = on_stored
         self.on_removed = on_removed
@@ -45,63 +72,176 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
-        return len(self.free) + len(self.free_retained)
+        return self._num_plain + self._num_kept
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
+        return 1.0 - (self._num_plain + self._num_kept) / self.num_blocks
 
+    @property
+    def free(self) -> list[int]:
+        """The ordinary free queue, front (next evicted) first."""
+        return [b for run in self._runs for b in reversed(run)]
+
+    @property
+    def free_retained(self) -> list[int]:
+        """The retention tier, front first."""
+        return [b for run in self._kept for b in reversed(run)]
+
+    # -- lookups ---------------------------------------------------------------------
     def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Cached blocks for the longest cached prefix (at most `max_blocks` blocks)."""
-        # map() runs the lookups in C; this is the simulator's hottest loop.
-        found = list(map(self.cached.get, block_hashes[:max_blocks]))
-        try:
-            return found[: found.index(None)]  # type: ignore[return-value]
-        except ValueError:
-            return found  # type: ignore[return-value]
+        # map() runs the lookups in C; this is the simulator's hottest loop. Chunks that
+        # double in size stop soon after the first miss instead of looking up every
+        # block of a long prompt whose hit is short.
+        get = self.cached.get
+        n = min(max_blocks, len(block_hashes))
+        found: list[int] = []
+        i, step = 0, 64
+        while i < n:
+            part = list(map(get, block_hashes[i : min(i + step, n)]))
+            if None in part:
+                found += part[: part.index(None)]  # type: ignore[arg-type]
+                return found
+            found += part  # type: ignore[arg-type]
+            i += step
+            step *= 2
+        return found
 
     def count_hit(self, block_hashes: Sequence[int]) -> int:
-        cached = self.cached
-        found = list(map(cached.__contains__, block_hashes))
-        try:
-            return found.index(False)
-        except ValueError:
-            return len(found)
+        has = self.cached.__contains__
+        n = len(block_hashes)
+        i, step = 0, 64
+        while i < n:
+            part = list(map(has, block_hashes[i : i + step]))
+            if False in part:
+                return i + part.index(False)
+            i += step
+            step *= 2
+        return n
 
     def can_allocate(self, num_new_blocks: int, hit_blocks: Sequence[int]) -> bool:
+        evictable_hits = list(map(self.ref.__getitem__, hit_blocks)).count(0)
+        return num_new_blocks <= self._num_plain + self._num_kept - evictable_hits
+
+    # -- reference counts and the free queue -----------------------------------------
+    def take_hits(self, hit_blocks: list[int], num_new_blocks: int) -> bool:
+        """`can_allocate` then `touch`, reading the hits' counts once: False (and nothing
+        done) if `num_new_blocks` more would not fit beside the hits."""
         ref = self.ref
-        evictable_hits = sum(1 for b in hit_blocks if ref[b] == 0)
-        return num_new_blocks <= self.num_free - evictable_hits
+        refs = list(map(ref.__getitem__, hit_blocks))
+        evictable = refs.count(0)
+        if num_new_blocks > 0 and num_new_blocks > self._num_plain + self._num_kept - evictable:
+            return False
+        if evictable:
+            self._unqueue(list(compress(hit_blocks, map(not_, refs))))
+        for b in hit_blocks:
+            ref[b] += 1
+        return True
 
     def touch(self, blocks: Sequence[int]) -> None:
-        ref, free, kept = self.ref, self.free, self.free_retained
+        ref = self.ref
+        refs = list(map(ref.__getitem__, blocks))
+        if 0 in refs:
+            self._unqueue(list(compress(blocks, map(not_, refs))))
         for b in blocks:
-            if ref[b] == 0:
-                if b in free:
-                    del free[b]
-                else:
-                    del kept[b]
             ref[b] += 1
+
+    def _unqueue(self, blocks: list[int]) -> None:
+        """Take free blocks (given in chain order) out of the queue, keeping the order
+        of the rest. A prefix hit takes the head of each run it meets (one run, unless
+        the prefix was freed by several requests), which is a C-level slice delete."""
+        for run, group in groupby(blocks, self._run_of.__getitem__):
+            assert run is not None
+            seg = list(group)
+            k = len(seg)
+            if run[:k] == seg:
+                del run[:k]
+            else:  # not a run's head (a block re-cached elsewhere, a retain): filter
+                drop = set(seg)
+                run[:] = [b for b in run if b not in drop]
+            if type(run) is _KeptRun:
+                self._num_kept -= k
+            else:
+                self._num_plain -= k
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks; caller checked `can_allocate`. Evicts their old content."""
+        if n <= 0:
+            return []
+        if n == 1:
+            return [self._allocate_one()]  # a decode step crossing a block boundary
         out: list[int] = []
-        evicted: list[int] = []
-        free, ref, hash_of, cached = self.free, self.ref, self.hash_of, self.cached
-        kept = self.free_retained
-        for _ in range(n):
-            b, _none = free.popitem(last=False) if free else kept.popitem(last=False)
-            h = hash_of[b]
-            if h is not None:
-                hash_of[b] = None
-                if cached.get(h) == b:
-                    del cached[h]
-                    evicted.append(h)
+        left = n
+        # Ordinary blocks first, then the retention tier; each from its front.
+        take_plain = min(left, self._num_plain)
+        for runs, want in ((self._runs, take_plain), (self._kept, left - take_plain)):
+            while want:
+                run = runs[0]
+                m = len(run)
+                if m <= want:
+                    runs.popleft()
+                    out += reversed(run)
+                    want -= m
+                else:
+                    out += run[: -want - 1 : -1]
+                    del run[-want:]
+                    want = 0
+        self._num_plain -= take_plain
+        self._num_kept -= n - take_plain
+        ref, hash_of = self.ref, self.hash_of
+        hs = list(map(hash_of.__getitem__, out))
+        unhashed = hs.count(None)
+        if unhashed == n:
+            for b in out:
+                ref[b] = 1
+            return out
+        for b in out:
             ref[b] = 1
-            out.append(b)
+            hash_of[b] = None
+        cached = self.cached
+        if self._stale:
+            # Only a block that still holds its hash's map entry evicts it.
+            evicted = [
+                h for h, b in zip(hs, out, strict=True) if h is not None and cached.get(h) == b
+            ]
+            self._stale.difference_update(out)
+        elif unhashed:
+            evicted = [h for h in hs if h is not None]
+        else:
+            evicted = hs  # type: ignore[assignment]
+        for h in evicted:
+            del cached[h]
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         return out
+
+    def _allocate_one(self) -> int:
+        """`allocate(1)` without the bulk machinery (decode needs one block at a time)."""
+        if self._num_plain:
+            runs = self._runs
+            self._num_plain -= 1
+        else:
+            runs = self._kept
+            self._num_kept -= 1
+        run = runs[0]
+        while not run:
+            runs.popleft()
+            run = runs[0]
+        b = run.pop()
+        if not run:
+            runs.popleft()
+        self.ref[b] = 1
+        h = self.hash_of[b]
+        if h is not None:
+            self.hash_of[b] = None
+            cached = self.cached
+            if not self._stale or cached.get(h) == b:
+                del cached[h]
+                if self.on_removed is not None:
+                    self.on_removed([h])
+            self._stale.discard(b)
+        return b
 
     def free_blocks(self, blocks: Sequence[int]) -> None:
         """Release a request's blocks, tail first (evicted first).
@@ -109,66 +249,183 @@ class KVCache:
         As vLLM's BlockPool does: freed blocks that hold no cached content (a partial
         last block, a duplicate) go to the *front* of the free queue, to be reused before
         any cached prefix is evicted; cached ones go to the back."""
-        ref, free, hash_of = self.ref, self.free, self.hash_of
-        retained, kept = self.retained, self.free_retained
-        unhashed: list[int] = []
-        for b in reversed(blocks):
-            ref[b] -= 1
-            if ref[b] == 0:
-                h = hash_of[b]
-                if h is None:
-                    unhashed.append(b)
-                elif retained and h in retained:
-                    kept[b] = None
-                else:
-                    free[b] = None
-        for b in reversed(unhashed):
-            free[b] = None
-            free.move_to_end(b, last=False)
+        ref = self.ref
+        zero: list[int]  # blocks now free, tail first (queue order)
+        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):
+            # The request held every block alone (the common case): all are free now.
+            for b in blocks:
+                ref[b] = 0
+            zero = list(reversed(blocks))
+        else:
+            zero = []
+            for b in reversed(blocks):
+                r = ref[b] - 1
+                ref[b] = r
+                if not r:
+                    zero.append(b)
+        if not zero:
+            return
+        hs = list(map(self.hash_of.__getitem__, zero))
+        unhashed = hs.count(None)
+        if unhashed == len(zero):
+            self._queue_front(zero)
+            return
+        front: list[int] = []
+        if unhashed:
+            if hs[:unhashed].count(None) == unhashed:
+                # Only the tail is content-less (a partial last block): split it off.
+                front, zero, hs = zero[:unhashed], zero[unhashed:], hs[unhashed:]
+            else:  # content-less blocks in the middle (duplicates): filter
+                front = [b for b, h in zip(zero, hs, strict=True) if h is None]
+                pairs = [(b, h) for b, h in zip(zero, hs, strict=True) if h is not None]
+                zero, hs = [b for b, _ in pairs], [h for _, h in pairs]
+        retained = self.retained
+        inr = list(map(retained.__contains__, hs)) if retained else []
+        n_kept = inr.count(True)
+        if n_kept == 0:
+            self._queue_back(zero)
+        elif n_kept == len(zero):
+            self._queue_back(zero, kept_tier=True)
+        else:
+            self._queue_back(list(compress(zero, map(not_, inr))))
+            self._queue_back(list(compress(zero, inr)), kept_tier=True)
+        if front:
+            self._queue_front(front)
 
+    def _queue_back(self, blocks: list[int], kept_tier: bool = False) -> None:
+        """Append blocks (in queue order) at the back of a tier."""
+        run: _Run = _KeptRun(reversed(blocks)) if kept_tier else _Run(reversed(blocks))
+        run_of = self._run_of
+        for b in blocks:
+            run_of[b] = run
+        if kept_tier:
+            self._kept.append(run)
+            self._num_kept += len(blocks)
+        else:
+            runs = self._runs
+            runs.append(run)
+            self._num_plain += len(blocks)
+            if len(runs) > 2 * self._num_plain + 64:
+                # Touches emptied runs in the middle of the queue: drop them.
+                self._runs = deque(r for r in runs if r)
+        if kept_tier and len(self._kept) > 2 * self._num_kept + 64:
+            self._kept = deque(r for r in self._kept if r)
+
+    def _queue_front(self, blocks: list[int]) -> None:
+        """Put blocks (in queue order) at the front of the ordinary tier."""
+        run = _Run(reversed(blocks))
+        run_of = self._run_of
+        for b in blocks:
+            run_of[b] = run
+        self._runs.appendleft(run)
+        self._num_plain += len(blocks)
+
+    # -- retention -------------------------------------------------------------------
     def retain(self, block_hashes: Sequence[int]) -> None:
         """Keep these blocks, once free, behind every ordinary free block."""
-        retained, cached, ref = self.retained, self.cached, self.ref
+        retained = self.retained
         for h in block_hashes:
             retained[h] = retained.get(h, 0) + 1
-            b = cached.get(h)
-            if b is not None and ref[b] == 0 and b in self.free:
-                del self.free[b]
-                self.free_retained[b] = None
+        move = self._free_cached(block_hashes, kept_tier=False)
+        if move:
+            self._unqueue(move)
+            self._queue_back(move, kept_tier=True)
 
     def release(self, block_hashes: Sequence[int]) -> None:
         """Undo one `retain` of these blocks; free ones rejoin the ordinary queue."""
-        retained, cached = self.retained, self.cached
+        retained = self.retained
+        gone: list[int] = []
         for h in block_hashes:
             n = retained.get(h, 0) - 1
             if n > 0:
                 retained[h] = n
                 continue
             retained.pop(h, None)
-            b = cached.get(h)
-            if b is not None and b in self.free_retained:
-                del self.free_retained[b]
-                self.free[b] = None
+            gone.append(h)
+        move = self._free_cached(gone, kept_tier=True)
+        if move:
+            self._unqueue(move)
+            self._queue_back(move)
 
+    def _free_cached(self, hashes: Iterable[int], kept_tier: bool) -> list[int]:
+        """The free blocks in one tier holding these hashes, in hash order."""
+        ref, run_of = self.ref, self._run_of
+        found = [b for b in map(self.cached.get, hashes) if b is not None and not ref[b]]
+        want = _KeptRun if kept_tier else _Run
+        # A block is listed once even if its hash repeats (it moves once).
+        seen: set[int] = set()
+        out: list[int] = []
+        for b in found:
+            if type(run_of[b]) is want and b not in seen:
+                seen.add(b)
+                out.append(b)
+        return out
+
+    # -- content ---------------------------------------------------------------------
     def cache_blocks(
-        self, blocks: Sequence[int], block_hashes: Sequence[int], start: int, end: int
+        self,
+        blocks: Sequence[int],
+        block_hashes: Sequence[int],
+        start: int,
+        end: int,
+        known_cached: int = 0,
     ) -> None:
-        """Register blocks [start, end) of a request under their chain hashes."""
+        """Register blocks [start, end) of a request under their chain hashes.
+
+        The first `known_cached` of them are a prefix hit the caller just took (cached
+        under these very hashes): they are skipped without looking them up."""
         if end <= start:
             return
         hash_of, cached = self.hash_of, self.cached
-        hs = block_hashes[start:end]
-        bs = blocks[start:end]
-        # Same content computed twice concurrently: vLLM keeps both copies and one map
-        # entry suffices to serve hits, so only new hashes are registered.
-        fresh = [(h, b) for h, b in zip(hs, bs, strict=True) if h not in cached]
-        if not fresh:
+        skip = start + known_cached
+        if end - skip == 1:
+            self._cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
             return
-        for h, b in fresh:
+        hs = block_hashes[skip:end]
+        bs = blocks[skip:end]
+        if not hs:
+            return
+        # One lookup a block: setdefault registers new hashes and returns the block
+        # already registered for the others.
+        before = len(cached)
+        got = list(map(cached.setdefault, hs, bs))
+        added = len(cached) - before
+        if added == len(hs):
+            fresh_h: Sequence[int] = hs
+            fresh_b: Sequence[int] = bs
+        else:
+            # Same content computed twice concurrently: vLLM keeps both copies and one
+            # map entry suffices to serve hits, so only new hashes are registered. A
+            # block re-registered under the hash it already holds is not new either.
+            stale = self._stale
+            pairs = [
+                (h, b)
+                for h, g, b in zip(hs, got, bs, strict=True)
+                if g == b and (hash_of[b] != h or b in stale)
+            ]
+            if not pairs:
+                return
+            fresh_h = [h for h, _ in pairs]
+            fresh_b = [b for _, b in pairs]
+            if stale:
+                stale.difference_update(fresh_b)  # they hold their hash's entry again
+        for b, h in zip(fresh_b, fresh_h, strict=True):
             hash_of[b] = h
-        cached.update(fresh)
         if self.on_stored is not None:
-            self.on_stored([h for h, _ in fresh], block_hashes[start - 1] if start > 0 else None)
+            self.on_stored(list(fresh_h), block_hashes[start - 1] if start > 0 else None)
+
+    def _cache_one(self, b: int, h: int, start: int, block_hashes: Sequence[int]) -> None:
+        """`cache_blocks` of one block (decode fills one block at a time)."""
+        if self.cached.setdefault(h, b) != b:
+            return  # another block holds this content already
+        stale = self._stale
+        if self.hash_of[b] == h and b not in stale:
+            return  # registered already
+        self.hash_of[b] = h
+        if stale:
+            stale.discard(b)
+        if self.on_stored is not None:
+            self.on_stored([h], block_hashes[start - 1] if start > 0 else None)
 
     def seed(self, block_hashes: Sequence[int]) -> int:
         """Install a prefix's KV that arrived from another engine (a transfer).
@@ -184,15 +441,22 @@ class KVCache:
         KV was moved for, as a connector's load holds them in vLLM; the caller frees
         them once that request is admitted."""
         n_have = self.count_hit(block_hashes)
-        have = [self.cached[h] for h in block_hashes[:n_have]]
+        have = list(map(self.cached.__getitem__, block_hashes[:n_have]))
         self.touch(have)  # the prefix being extended must not be evicted to extend it
         todo = list(block_hashes[n_have:])
         todo = todo[: self.num_free]
-        blocks = self.allocate(len(todo)) if todo else []
+        if not todo:
+            return have
+        blocks = self.allocate(len(todo))
+        cached, hash_of = self.cached, self.hash_of
+        if not cached.keys().isdisjoint(todo):
+            # A later block of the chain is still cached elsewhere (its prefix was
+            # evicted): the new copy takes the map entry, the old one keeps its hash.
+            self._stale.update(cached[h] for h in todo if h in cached)
         for b, h in zip(blocks, todo, strict=True):
-            self.hash_of[b] = h
-            self.cached[h] = b
-        if todo and self.on_stored is not None:
+            hash_of[b] = h
+        cached.update(zip(todo, blocks, strict=True))
+        if self.on_stored is not None:
             self.on_stored(todo, block_hashes[n_have - 1] if n_have else None)
         return have + blocks
 
@@ -200,3 +464,4 @@ class KVCache:
         """Drop every cached hash (vLLM's reset_prefix_cache); only legal when idle."""
         self.cached.clear()
         self.hash_of = [None] * len(self.hash_of)
+        self._stale.clear()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -244,3 +247,229 @@ def test_freed_blocks_without_content_are_reused_before_cached_ones() -> None:
     again = kv.allocate(1)
     assert again == [blocks[2]]
     assert sink.removed == [] and kv.count_hit([11, 12]) == 2
+
+
+# -- against a per-block reference pool ---------------------------------------------------
+
+
+class RefPool:
+    """vLLM's BlockPool rules with one OrderedDict entry per free block: the model the
+    run-based free queue must match block for block (ids, order, hashes, events)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.kept: OrderedDict[int, None] = OrderedDict()
+        self.retained: dict[int, int] = {}
+        self.events: list[tuple[str, list[int]]] = []
+
+    def longest_hit(self, hashes: list[int], cap: int) -> list[int]:
+        out = []
+        for h in hashes[:cap]:
+            if h not in self.cached:
+                break
+            out.append(self.cached[h])
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                (self.free if b in self.free else self.kept).pop(b)
+            self.ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        out, evicted = [], []
+        for _ in range(n):
+            b, _none = (self.free if self.free else self.kept).popitem(last=False)
+            h = self.hash_of[b]
+            if h is not None:
+                self.hash_of[b] = None
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                    evicted.append(h)
+            self.ref[b] = 1
+            out.append(b)
+        if evicted:
+            self.events.append(("removed", evicted))
+        return out
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        unhashed = []
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                h = self.hash_of[b]
+                if h is None:
+                    unhashed.append(b)
+                elif h in self.retained:
+                    self.kept[b] = None
+                else:
+                    self.free[b] = None
+        for b in reversed(unhashed):
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
+
+    def retain(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.retained[h] = self.retained.get(h, 0) + 1
+            b = self.cached.get(h)
+            if b is not None and self.ref[b] == 0 and b in self.free:
+                del self.free[b]
+                self.kept[b] = None
+
+    def release(self, hashes: list[int]) -> None:
+        for h in hashes:
+            n = self.retained.get(h, 0) - 1
+            if n > 0:
+                self.retained[h] = n
+                continue
+            self.retained.pop(h, None)
+            b = self.cached.get(h)
+            if b is not None and b in self.kept:
+                del self.kept[b]
+                self.free[b] = None
+
+    def cache_blocks(self, blocks: list[int], hashes: list[int], start: int, end: int) -> None:
+        pairs = zip(hashes[start:end], blocks[start:end], strict=True)
+        fresh = [(h, b) for h, b in pairs if h not in self.cached]
+        for h, b in fresh:
+            self.hash_of[b] = h
+            self.cached[h] = b
+        if fresh:
+            self.events.append(("stored", [h for h, _ in fresh]))
+
+    def seed_pinned(self, hashes: list[int]) -> list[int]:
+        have = self.longest_hit(hashes, len(hashes))
+        self.touch(have)
+        todo = hashes[len(have) :][: len(self.free) + len(self.kept)]
+        blocks = self.allocate(len(todo))
+        for b, h in zip(blocks, todo, strict=True):
+            self.hash_of[b] = h
+            self.cached[h] = b
+        if todo:
+            self.events.append(("stored", list(todo)))
+        return have + blocks
+
+
+def chain_of(stream: int, branch: int, split: int, length: int) -> list[int]:
+    """A block-hash chain that shares its first `split` blocks with its stream's others."""
+    return [hash((stream, i)) if i < split else hash((stream, branch, i)) for i in range(length)]
+
+
+chain_st = st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 10), st.integers(1, 14))
+pool_op_st = st.lists(
+    st.one_of(
+        st.tuples(st.just("req"), chain_st, st.integers(0, 16), st.integers(0, 99)),
+        st.tuples(st.just("free"), st.integers(0, 99)),
+        st.tuples(st.just("retain"), chain_st),
+        st.tuples(st.just("release"), st.integers(0, 99)),
+        st.tuples(st.just("seed"), chain_st, st.booleans()),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(ops=pool_op_st, num_blocks=st.sampled_from([3, 6, 12, 24]))
+def test_matches_per_block_reference_pool(ops: list[tuple[Any, ...]], num_blocks: int) -> None:
+    """Every operation leaves the same blocks, order, hashes and events as the reference
+    (duplicates, partial tails, retention, transfers and re-cached prefixes included)."""
+    events: list[tuple[str, list[int]]] = []
+    kv = KVCache(
+        num_blocks,
+        4,
+        on_stored=lambda hs, _parent: events.append(("stored", list(hs))),
+        on_removed=lambda hs: events.append(("removed", list(hs))),
+    )
+    ref = RefPool(num_blocks)
+    live: list[list[int]] = []
+    kept: list[list[int]] = []
+    for op in ops:
+        if op[0] == "req":
+            hashes = chain_of(*op[1])
+            cap, split = op[2], op[3]
+            hit = kv.longest_hit(hashes, cap)
+            assert hit == ref.longest_hit(hashes, cap)
+            need = len(hashes) - len(hit)
+            ok = kv.can_allocate(need, hit)
+            if split % 2:  # the engine's combined check-and-touch
+                assert kv.take_hits(list(hit), need) == ok
+                if not ok:
+                    continue
+            else:
+                if not ok:
+                    continue
+                kv.touch(hit)
+            ref.touch(hit)
+            blocks = hit + kv.allocate(need)
+            assert blocks == hit + ref.allocate(need)
+            # Cache a prefix in two calls (some blocks may stay unhashed: a partial tail).
+            mid = min(split % (len(blocks) + 1), len(blocks))
+            kv.cache_blocks(blocks, hashes, 0, mid, len(hit) if mid >= len(hit) else 0)
+            ref.cache_blocks(blocks, hashes, 0, mid)
+            end = len(blocks) - (split // 50)
+            kv.cache_blocks(blocks, hashes, mid, max(end, mid))
+            ref.cache_blocks(blocks, hashes, mid, max(end, mid))
+            live.append(blocks)
+        elif op[0] == "free" and live:
+            blocks = live.pop(op[1] % len(live))
+            kv.free_blocks(blocks)
+            ref.free_blocks(blocks)
+        elif op[0] == "retain":
+            hashes = chain_of(*op[1])
+            kv.retain(hashes)
+            ref.retain(hashes)
+            kept.append(hashes)
+        elif op[0] == "release" and kept:
+            hashes = kept.pop(op[1] % len(kept))
+            kv.release(hashes)
+            ref.release(hashes)
+        elif op[0] == "seed":
+            hashes = chain_of(*op[1])
+            held = kv.seed_pinned(hashes)
+            assert held == ref.seed_pinned(hashes)
+            if op[2]:
+                kv.free_blocks(held)  # `seed`: the blocks land free
+                ref.free_blocks(held)
+            else:
+                live.append(held)
+        assert kv.ref == ref.ref
+        assert kv.hash_of == ref.hash_of
+        assert kv.cached == ref.cached
+        assert kv.free == list(ref.free)
+        assert kv.free_retained == list(ref.kept)
+        assert kv.num_free == len(ref.free) + len(ref.kept)
+        assert events == ref.events
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_stale_copy_left_by_a_transfer_evicts_nothing(one_at_a_time: bool) -> None:
+    """A transfer re-caches a chain whose head was evicted while its tail stayed cached:
+    the old tail blocks keep their hashes (and queue place) but no longer own the map
+    entries, so evicting them later must not drop the transferred copy."""
+    events: list[tuple[str, list[int]]] = []
+    kv = KVCache(
+        9,
+        4,
+        on_stored=lambda hs, _p: events.append(("stored", list(hs))),
+        on_removed=lambda hs: events.append(("removed", list(hs))),
+    )
+    ref = RefPool(9)
+    for pool in (kv, ref):
+        a = pool.allocate(3)
+        pool.cache_blocks(a, [11, 12, 13], 0, 3)
+        pool.free_blocks(a[:1])  # the head is freed while the tail stays held
+        others = pool.allocate(6)  # evicts the head (11) only
+        pool.free_blocks(others)
+        pinned = pool.seed_pinned([11, 12, 13])  # 12, 13 now map to the new copies
+        assert len(pinned) == 3
+        pool.free_blocks(a[1:])  # the stale copies join the free queue, hashed
+        # Evict both stale copies (decode takes one block at a time): no map entry goes.
+        for n in [1] * 5 if one_at_a_time else [5]:
+            pool.allocate(n)
+        assert pool.longest_hit([11, 12, 13], 3) == pinned
+    assert events == ref.events
+    assert ("removed", [12]) not in events and ("removed", [13]) not in events
+    assert kv.ref == ref.ref and kv.hash_of == ref.hash_of and kv.cached == ref.cached

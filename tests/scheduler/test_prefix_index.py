@@ -185,3 +185,67 @@ def test_capped_index_is_a_consistent_subset(
         assert idx.blocks_per_engine == per
     got, full = idx.match(query), brute_match(held, query)
     assert all(g <= f for g, f in zip(got, full, strict=True))
+
+
+def test_match_long_chains_across_lookup_chunks() -> None:
+    """`match` looks blocks up in growing chunks; depths on either side of a chunk
+    boundary must come out exact."""
+    idx = PrefixIndex(ENGINES)
+    chain = list(range(1000, 1700))
+    idx.apply(stored("e0", *chain[:64]))  # exactly the first chunk
+    idx.apply(stored("e1", *chain[:65]))  # one block into the second
+    idx.apply(stored("e2", *chain[:500]))
+    assert idx.match(chain) == [64, 65, 500]
+    assert idx.match(chain[:192]) == [64, 65, 192]
+    idx.apply(removed("e2", chain[300]))
+    assert idx.match(chain) == [64, 65, 300]
+    assert brute_match({e: set() for e in ENGINES}, chain) == [0, 0, 0]
+
+
+def test_cap_forgets_least_recently_inserted_first() -> None:
+    """Past the cap the oldest entries go first; a hash every engine dropped re-enters
+    at the newest end (the order a plain dict and an OrderedDict both keep)."""
+    idx = PrefixIndex(ENGINES, max_blocks=5)
+    idx.apply(stored("e0", 1, 2, 3))
+    idx.apply(stored("e1", 4))
+    idx.apply(removed("e0", 2))
+    idx.apply(stored("e0", 2))  # back, now the newest: order 1, 3, 4, 2
+    idx.apply(stored("e1", 1))  # already known: keeps its place
+    idx.apply(stored("e1", 5, 6))  # 6 entries: the oldest (1) goes
+    assert len(idx) == 5 and idx.holders(1) == []
+    assert idx.blocks_per_engine == [2, 3, 0]
+    idx.apply(stored("e2", 7))  # then 3
+    assert idx.holders(3) == [] and idx.holders(2) == [0] and idx.holders(7) == [2]
+    assert idx.blocks_per_engine == [1, 3, 1]
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove"]),
+            st.sampled_from(ENGINES),
+            st.integers(0, 300),
+            st.integers(0, 300),
+        ),
+        max_size=25,
+    ),
+    depth=st.integers(0, 300),
+)
+def test_long_chain_matches_brute_force_model(
+    events: list[tuple[str, str, int, int]], depth: int
+) -> None:
+    """Stores and evictions of chain slices (as engines send them) on 300-block chains."""
+    chain = list(range(5000, 5300))
+    idx = PrefixIndex(ENGINES)
+    held: dict[str, set[int]] = {e: set() for e in ENGINES}
+    for kind, eng, a, b in events:
+        hs = chain[min(a, b) : max(a, b)]
+        if kind == "store":
+            idx.apply(stored(eng, *hs))
+            held[eng].update(hs)
+        else:
+            idx.apply(removed(eng, *hs))
+            held[eng].difference_update(hs)
+    assert idx.blocks_per_engine == [len(held[e]) for e in ENGINES]
+    assert idx.match(chain[:depth]) == brute_match(held, chain[:depth])
