@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -107,12 +107,36 @@ def estimate_s(
     return total
 
 
-def _scrape(urls: Sequence[str]) -> list[tuple[float, float]]:
+def _scrape(urls: Sequence[str]) -> list[tuple[float, float, float, float, float]]:
+    """Per engine: prefix-cache queries and hits (tokens), and the sums of its own TTFT
+    and end-to-end latencies with their count (vLLM's histograms), all cumulative."""
     out = []
     for url in urls:
         m = parse_vllm_metrics(httpx.get(url + "/metrics", timeout=10.0).text)
-        out.append((m.prefix_cache_queries_tokens or 0.0, m.prefix_cache_hits_tokens or 0.0))
+        out.append(
+            (
+                m.prefix_cache_queries_tokens or 0.0,
+                m.prefix_cache_hits_tokens or 0.0,
+                m.ttft_sum_seconds or 0.0,
+                m.e2e_sum_seconds or 0.0,
+                m.e2e_count or 0.0,
+            )
+        )
     return out
+
+
+def engine_side_latency(
+    before: Sequence[tuple[float, ...]], after: Sequence[tuple[float, ...]]
+) -> tuple[float | None, float | None]:
+    """Mean TTFT and E2E of the run's requests as the engines measured them (from
+    arrival at the engine's API server), to tell a router's own delay from the
+    engines' time: the replay's latencies less these are the hops through the router."""
+    n = sum(a[4] - b[4] for b, a in zip(before, after, strict=True))
+    if n <= 0:
+        return None, None
+    ttft = sum(a[2] - b[2] for b, a in zip(before, after, strict=True))
+    e2e = sum(a[3] - b[3] for b, a in zip(before, after, strict=True))
+    return ttft / n, e2e / n
 
 
 class EngineFleet:
@@ -215,7 +239,8 @@ class Bench:
         config = wasma_config_text(rc)
         config_file = None
         if config is not None:
-            config_file = str(self.out / "logs" / f"{slug}.yaml")
+            # Absolute: `wasma serve` runs with the frozen source as its cwd.
+            config_file = str((self.out / "logs" / f"{slug}.yaml").resolve())
             Path(config_file).write_text(config + "\n")
         proc = ManagedProcess(
             rc.name,
@@ -230,12 +255,13 @@ class Bench:
                 config_file,
             ),
             self.out / "logs" / f"{slug}.log",
-            cwd=self.source_dir,
+            cwd=rc.source or self.source_dir,
         )
         url = f"http://127.0.0.1:{port}"
         try:
             proc.start()
             startup = wait_http_ready(url, proc, timeout_s=120.0)
+            cpu_before = process_cpu_s(proc)
             before = _scrape(self.fleet.urls)
             rep_cls: type[Replayer] = Replayer
             kwargs: dict[str, Any] = dict(
@@ -257,13 +283,18 @@ class Bench:
             except TimeoutError:
                 wall = time.perf_counter() - t0
                 rep.failures.append(("*", "*", f"run timed out after {self.args.run_timeout} s"))
+            cpu_after = process_cpu_s(proc)
             time.sleep(0.5)  # the engines publish their last step's counters
             after = _scrape(self.fleet.urls)
             diag = _wasma_diagnostics(url) if rc.kind == "wasma" else {}
         finally:
             proc.stop()
         row = summarize_replay(rep, rc.name, wall, f"{spec.app}.jsonl", url)
-        queries, hits, ratio = prefix_counter_delta(before, after)
+        queries, hits, ratio = prefix_counter_delta([b[:2] for b in before], [a[:2] for a in after])
+        engine_ttft, engine_e2e = engine_side_latency(before, after)
+        done = list(rep.results.values())
+        client_ttft = sum(r.first_token_s - r.submit_s for r in done) / len(done) if done else None
+        client_e2e = sum(r.finish_s - r.submit_s for r in done) / len(done) if done else None
         row.update(
             router=rc.name,
             router_kind=rc.kind,
@@ -277,12 +308,43 @@ class Bench:
             engine_prefix_hit_ratio=ratio,
             engines_made_cold=cold,
             router_startup_s=round(startup, 2),
+            # Mean request latencies at the client and at the engines: the difference is
+            # what the router's hops add (same requests, same engines).
+            client_mean_ttft_s=_r(client_ttft),
+            client_mean_e2e_s=_r(client_e2e),
+            engine_mean_ttft_s=_r(engine_ttft),
+            engine_mean_e2e_s=_r(engine_e2e),
+            # CPU the router spent during the replay: on two cores shared with the
+            # engines, every router CPU-second is taken from them.
+            router_cpu_s=None
+            if cpu_before is None or cpu_after is None
+            else round(cpu_after - cpu_before, 3),
             engine_share=_engine_share(rep),
+            # Prompt tokens each engine was asked for (vLLM's counters): where a router
+            # that does not name engines (the Rust ones) put the work.
+            engine_queries_tokens=[round(a[0] - b[0]) for b, a in zip(before, after, strict=True)],
             first_failures=[list(f) for f in rep.failures[:3]],
             placements=_placements(rep),
             router_diag=diag,
         )
         return row
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def process_cpu_s(proc: ManagedProcess) -> float | None:
+    """User + system CPU seconds of `proc` and its reaped children (Linux /proc)."""
+    if proc.proc is None:
+        return None
+    try:
+        fields = Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # Fields 14-17 of stat (utime, stime, cutime, cstime); [0] here is field 3.
+    ticks = sum(int(x) for x in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _placements(rep: Replayer) -> dict[str, int]:
@@ -317,6 +379,22 @@ def _wasma_diagnostics(url: str) -> dict[str, float]:
             ):
                 key = f"decisions_le_{s.labels['le']}"
                 out[key] = out.get(key, 0.0) + s.value
+    # The cost model's learned speed (deploy/router_service.py calibration), if any.
+    try:
+        cal = httpx.get(url + "/health", timeout=10.0).json().get("calibration") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        cal = {}
+    for key in (
+        "prefill_scale",
+        "decode_scale",
+        "step_scale",
+        "seq_scale",
+        "overhead_s",
+        "recalibrations",
+        "samples",
+    ):
+        if isinstance(cal.get(key), int | float):
+            out[f"calibration_{key}"] = float(cal[key])
     return out
 
 
@@ -363,16 +441,27 @@ def _write(out: Path, payload: dict[str, Any]) -> None:
     tmp.replace(out / "results.json")
 
 
-def freeze_source() -> str:
+def freeze_source(root: Path | None = None) -> str:
     """Copy wasma's packages to a temp dir and run every `wasma serve` from there: a
     file edited while the benchmark runs (a half-saved module picked up by one router
     start) would otherwise change or fail that run. `python -m` puts the cwd first on
     sys.path, ahead of the editable install."""
-    root = Path(__file__).resolve().parent.parent
+    root = root or Path(__file__).resolve().parent.parent
     snap = tempfile.mkdtemp(prefix="wasma-peers-src-")
     for pkg in ("scheduler", "engines", "transfer", "deploy", "benchmarks"):
         shutil.copytree(root / pkg, Path(snap) / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     return snap
+
+
+def with_baseline(routers: Sequence[RouterConfig], source: str) -> list[RouterConfig]:
+    """`routers`, each wasma one (ablations aside) followed by its twin run from
+    `source`."""
+    out: list[RouterConfig] = []
+    for rc in routers:
+        out.append(rc)
+        if rc.kind == "wasma" and not (rc.params or rc.settings):
+            out.append(replace(rc, name=f"{rc.name} [base]", source=source))
+    return out
 
 
 def _float_list(text: str) -> list[float]:
@@ -412,6 +501,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--run-timeout", type=float, default=300.0)
     p.add_argument("--no-sim", action="store_true", help="skip the simulated baselines")
+    p.add_argument(
+        "--wasma-baseline",
+        default=None,
+        metavar="DIR",
+        help="also run every selected wasma router from this source tree (rows named "
+        "'... [base]'), interleaved with the current one: an A/B on the same engines",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimate only")
     p.add_argument(
         "--report-only",
@@ -471,6 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         traces[app] = wfs
         write_trace(out / "traces" / f"{app}.jsonl", wfs)
+    if args.wasma_baseline:
+        # The twins' source is frozen later; their place in the plan is known now.
+        routers = with_baseline(routers, args.wasma_baseline)
     runs = plan_runs(routers, args.apps, args.rates, args.reps)
     span = {app: max(w.arrival_s for w in wfs) for app, wfs in traces.items()}
     est = estimate_s(runs, span)
@@ -505,6 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     rows: list[dict[str, Any]] = []
     source = freeze_source()
+    base_source: str | None = None
+    if args.wasma_baseline:
+        base_source = freeze_source(Path(args.wasma_baseline))
+        routers = [replace(r, source=base_source) if r.source is not None else r for r in routers]
+        runs = plan_runs(routers, args.apps, args.rates, args.reps)
     old = signal.signal(signal.SIGTERM, _on_term)
     t_start = time.monotonic()
     try:
@@ -545,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         fleet.cleanup()
         shutil.rmtree(source, ignore_errors=True)
+        if base_source is not None:
+            shutil.rmtree(base_source, ignore_errors=True)
         signal.signal(signal.SIGTERM, old)
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
     meta["engine_restarts"] = fleet.restarts

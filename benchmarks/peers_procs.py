@@ -123,6 +123,11 @@ class RouterConfig:
     text_prompts: bool = False
     # wasma only: policy parameters, passed in a `--config` file (ablations).
     params: tuple[tuple[str, object], ...] = ()
+    # wasma only: other top-level `--config` settings (e.g. `calibration: false`).
+    settings: tuple[tuple[str, object], ...] = ()
+    # wasma only: run `wasma serve` from this source tree instead of the benchmark's own
+    # frozen copy (`--wasma-baseline`: an A/B of two versions, interleaved in one run).
+    source: str | None = None
 
 
 def diagnostic_routers() -> list[RouterConfig]:
@@ -130,6 +135,11 @@ def diagnostic_routers() -> list[RouterConfig]:
     which part of the policy costs or pays on these engines."""
     return [
         RouterConfig("wasma -priority", "wasma", "wasma", params=(("priority", False),)),
+        # Pure cache affinity (no load terms): where engines share a host's cores,
+        # piling work on the engine that holds the prefix can beat spreading it.
+        RouterConfig("wasma -load_aware", "wasma", "wasma", params=(("load_aware", False),)),
+        # The fitted profile as is, not scaled to the engines' observed speed.
+        RouterConfig("wasma -calibration", "wasma", "wasma", settings=(("calibration", False),)),
         RouterConfig(
             "wasma -priority -colocate",
             "wasma",
@@ -294,10 +304,14 @@ def router_command(
 
 
 def wasma_config_text(rc: RouterConfig) -> str | None:
-    """The `wasma serve --config` YAML holding the router's policy parameters."""
-    if rc.kind != "wasma" or not rc.params:
+    """The `wasma serve --config` YAML holding the router's policy parameters and any
+    other settings."""
+    if rc.kind != "wasma" or not (rc.params or rc.settings):
         return None
-    return json.dumps({"params": dict(rc.params)})  # JSON is YAML
+    data: dict[str, object] = dict(rc.settings)
+    if rc.params:
+        data["params"] = dict(rc.params)
+    return json.dumps(data)  # JSON is YAML
 
 
 def free_port() -> int:

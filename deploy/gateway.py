@@ -18,6 +18,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,6 +238,7 @@ class Gateway:
     routing, dependency and exception layers, which cost as much as the router itself)."""
 
     DISCONNECT_GRACE_S = 0.25
+    OFFLOAD_CHARS = 8192  # texts at least this long are tokenised off the event loop
 
     def __init__(
         self, router: RouterClient, tokenizer: Tokenizer, config: GatewayConfig, codes: Counter[int]
@@ -247,6 +249,12 @@ class Gateway:
         self.codes = codes
         self.created = int(time.time())
         self._names = set(config.model_names) | set(config.extra_model_names)
+        # One thread: long texts queue for it rather than each taking a core from the
+        # engines, and the tokenizer is never entered by two offloaded calls at once.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="wasma-tokenize")
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- ASGI entry points -----------------------------------------------------------
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -258,7 +266,7 @@ class Gateway:
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         try:
             body = await _read_body(scope, receive, self.cfg.max_body_bytes)
-            sreq, req = self._parse(scope, body, chat)
+            sreq, req = await self._parse(scope, body, chat)
             if not req.stream:
                 await self._complete_or_cancel(receive, send, sreq, req, chat)
             else:
@@ -272,7 +280,16 @@ class Gateway:
             return
 
     # -- request building ------------------------------------------------------------
-    def _parse(self, scope: Scope, body: bytes, chat: bool) -> tuple[ServiceRequest, Any]:
+    async def _tokenize(self, fn: Callable[[Any], list[int]], arg: Any, chars: int) -> list[int]:
+        """`fn(arg)` on a worker thread when the text is long: a chat template and BPE
+        over tens of kilobytes take milliseconds, during which the event loop would
+        relay no other request's tokens. Short texts stay inline (a thread hop costs
+        more than encoding them)."""
+        if chars < self.OFFLOAD_CHARS:
+            return fn(arg)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, arg)
+
+    async def _parse(self, scope: Scope, body: bytes, chat: bool) -> tuple[ServiceRequest, Any]:
         req: Any
         if chat:
             req = decode_request(body, ChatCompletionRequest)
@@ -283,7 +300,9 @@ class Gateway:
             )
             msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
             try:
-                ids = self.tok.chat(msgs)
+                ids = await self._tokenize(
+                    self.tok.chat, msgs, sum(len(m["content"]) for m in msgs)
+                )
             except ApiError:
                 raise
             except Exception as exc:  # a template may reject role orders
@@ -296,7 +315,10 @@ class Gateway:
             if req.echo:
                 raise ApiError(400, "echo is not supported", param="echo")
             prompt = prompt_of(req)
-            ids = self.tok.encode(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                ids = await self._tokenize(self.tok.encode, prompt, len(prompt))
+            else:
+                ids = prompt
         return self._service_request(scope, req, ids, mt), req
 
     def _check_common(self, req: Any, max_tokens: int | None, default: int) -> int:
@@ -619,10 +641,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router = await router_factory()
-        app.state.gw = Gateway(router, tokenizer, cfg, codes)
+        gateway = Gateway(router, tokenizer, cfg, codes)
+        app.state.gw = gateway
         try:
             yield
         finally:
+            gateway.close()
             await router.close()
 
     app = FastAPI(title="wasma gateway", version="0.1.0", lifespan=lifespan)

@@ -30,6 +30,7 @@ from deploy.build import EngineSpec, RouterActor, ServiceConfig, build_service, 
 from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
 from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from scheduler.calibration import CalibrationConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,12 @@ def load_api_keys(path: str | None, env: Mapping[str, str]) -> tuple[str, ...]:
 
 def load_config_file(path: str | None) -> dict[str, Any]:
     """`--config FILE` (YAML): `params` (policy parameters), `sim_speed`,
-    `max_outstanding`, `engine_options`, `kv_events`, `gateway` (GatewayConfig fields),
+    `max_outstanding`, `engine_options`, `kv_events`, `kv_transfer` (as `--kv-transfer`),
+    `gateway` (GatewayConfig fields),
     `reliability` (ServiceConfig's fault-handling fields: `journal`, `request_timeout_s`,
-    `health_timeout_s`, `max_failovers`, `router_max_restarts`)."""
+    `health_timeout_s`, `max_failovers`, `router_max_restarts`), `calibration` (`false`
+    turns live cost calibration off; a mapping sets CalibrationConfig's fields; applied
+    with `--router-in-process`)."""
     if not path:
         return {}
     try:
@@ -75,8 +79,10 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         "max_outstanding",
         "engine_options",
         "kv_events",
+        "kv_transfer",
         "gateway",
         "reliability",
+        "calibration",
     }
     unknown = set(data) - known
     if unknown:
@@ -167,9 +173,30 @@ def gateway_setup(
     return tokenizer, gcfg
 
 
-def local_router_factory(cfg: ServiceConfig) -> Any:
+def calibration_setting(data: Any) -> CalibrationConfig | bool | None:
+    """The config file's `calibration`: absent (the router decides), a bool, or the
+    fields of `CalibrationConfig`."""
+    if data is None or isinstance(data, bool):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError("--config calibration: must be true, false or a mapping")
+    known = {f.name for f in fields(CalibrationConfig)}
+    if set(data) - known:
+        raise ConfigError(f"--config calibration: known keys are {sorted(known)}")
+    try:
+        return CalibrationConfig(**dict(data))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--config calibration: {exc}") from None
+
+
+def local_router_factory(
+    cfg: ServiceConfig, calibration: CalibrationConfig | bool | None = None
+) -> Any:
     async def factory() -> RouterClient:
-        return LocalRouterClient(await build_service(cfg))
+        service = await build_service(cfg)
+        if calibration is not None:
+            service.set_calibration(calibration)
+        return LocalRouterClient(service)
 
     return factory
 
@@ -207,6 +234,12 @@ def serve_main(args: argparse.Namespace) -> int:
     kv_events = tuple(
         e.strip() for e in (getattr(args, "kv_events", None) or "").split(",") if e.strip()
     ) or tuple(file_cfg.get("kv_events", ()))
+    kv_transfer = bool(getattr(args, "kv_transfer", False) or file_cfg.get("kv_transfer", False))
+    if kv_transfer and spec.kind != "vllm":
+        raise ConfigError(
+            "--kv-transfer needs --engines vllm:N (wasma starts those engines with its KV "
+            "connector); for openai: engines, start each vLLM server with the connector"
+        )
     cfg = ServiceConfig(
         engines=spec,
         policy=args.policy,
@@ -216,6 +249,7 @@ def serve_main(args: argparse.Namespace) -> int:
         sim_speed=float(getattr(args, "sim_speed", None) or file_cfg.get("sim_speed", 1.0)),
         max_outstanding=int(file_cfg.get("max_outstanding", 8192)),
         kv_events=kv_events,
+        kv_transfer=kv_transfer,
         engine_options=file_cfg.get("engine_options", {}),
         **_reliability(file_cfg.get("reliability") or {}),
     )
@@ -238,7 +272,7 @@ def serve_main(args: argparse.Namespace) -> int:
         cfg, keys, getattr(args, "served_model_name", None), file_cfg.get("gateway", {})
     )
     if getattr(args, "router_in_process", False):
-        factory = local_router_factory(cfg)
+        factory = local_router_factory(cfg, calibration_setting(file_cfg.get("calibration")))
     else:
         import ray
 
@@ -343,7 +377,13 @@ class ServerThread:
         admin_port: int | None = None,
     ) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        # Bound now and handed to uvicorn, which would otherwise bind only after the
+        # lifespan (engines starting for a minute): a port merely found free here could
+        # be taken by then on a busy machine.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port or 0))
+        self.port = int(self._sock.getsockname()[1])
         config = uvicorn.Config(
             app,
             host=self.host,
@@ -380,9 +420,9 @@ class ServerThread:
     def _run(self) -> None:
         async def serve() -> None:
             if self.admin is None:
-                await self.server.serve()
+                await self.server.serve(sockets=[self._sock])
             else:
-                await asyncio.gather(self.server.serve(), self.admin.serve())
+                await asyncio.gather(self.server.serve(sockets=[self._sock]), self.admin.serve())
 
         try:
             asyncio.run(serve())
@@ -405,6 +445,7 @@ class ServerThread:
         if self.admin is not None:
             self.admin.should_exit = True
         self._thread.join(timeout=30)
+        self._sock.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from deploy.vllm_metrics import VllmMetrics, parse_vllm_metrics
+from deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
 from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
 from engines.vllm_engine import KVEventTranslator
 
@@ -65,6 +65,51 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# -- the streamed completion events, decoded into just the fields the router reads. vLLM's
+#    first event echoes the whole prompt (`prompt_token_ids`, from `return_token_ids`):
+#    a typed decode skips it instead of building a Python list of every prompt id.
+
+
+class _Details(msgspec.Struct, gc=False):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct, gc=False):
+    prompt_tokens_details: _Details | None = None
+
+
+class _Choice(msgspec.Struct, gc=False):
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+class _StreamEvent(msgspec.Struct, gc=False):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_EVENT_DECODER = msgspec.json.Decoder(_StreamEvent)
+_JSON_DECODER = msgspec.json.Decoder()
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def _metric_prefixes() -> tuple[str, ...]:
+    """The sample names `VllmMetricsParser` reads (as line prefixes)."""
+    names = [n for spec in VllmMetricsParser.FIELDS.values() for n in spec.names]
+    names += [*VllmMetricsParser.DEPRECATED_WAITING_EXTRA, VllmMetricsParser.CACHE_INFO]
+    return tuple(dict.fromkeys(names))
+
+
+def wanted_metric_lines(text: str, prefixes: tuple[str, ...]) -> str:
+    """The lines of a `/metrics` page whose samples the router reads. vLLM's page has
+    ~650 lines, mostly histogram buckets nobody here reads; parsing all of them with
+    prometheus_client took ~10 ms a scrape on the gateway's event loop, the few that
+    matter well under 1 ms. Comment lines go too: the samples parse the same untyped."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(prefixes)) + "\n"
+
+
 class RemoteEngineError(RuntimeError):
     """The server failed (5xx, connection lost): the engine's fault, not the client's."""
 
@@ -81,7 +126,9 @@ class OpenAIEngine(EngineClient):
         api_key: str | None = None,
         kv_events_endpoint: str | None = None,
         block_size: int | None = None,
-        scrape_interval_s: float = 0.5,
+        # The router's own counters carry load between scrapes; a scrape costs the
+        # engine's API server (which also streams tokens) a render of its whole page.
+        scrape_interval_s: float = 1.0,
         request_timeout_s: float = 600.0,
         stale_after_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -104,8 +151,17 @@ class OpenAIEngine(EngineClient):
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
+        # Token streams go over aiohttp (its C HTTP parser): through httpx (h11, pure
+        # Python) a 40-token stream cost ~3 ms of the gateway's CPU, through aiohttp ~0.6.
+        # httpx stays for the rare calls (models, metrics, health) and whenever a
+        # transport is injected (tests), which then carries the tokens too.
+        self._use_aiohttp = transport is None
+        self._aio: Any = None  # aiohttp.ClientSession, opened on the loop in start()
+        self._request_timeout_s = request_timeout_s
+        self._headers = headers
         self._sinks: list[KVEventSink] = []
         self._translator = KVEventTranslator(name, self.block_size)
+        self._metric_prefixes = _metric_prefixes()
         self._last: VllmMetrics | None = None
         self._last_ok = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -113,6 +169,8 @@ class OpenAIEngine(EngineClient):
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        if self._use_aiohttp and self._aio is None:
+            self._aio = self._open_session()
         if self.model is None:
             resp = await self._http.get("/v1/models")
             resp.raise_for_status()
@@ -133,6 +191,30 @@ class OpenAIEngine(EngineClient):
         if self._kv_endpoint:
             self._tasks.append(loop.create_task(self._kv_loop(self._kv_endpoint)))
 
+    def _open_session(self) -> Any:
+        """An aiohttp session for the token streams, or None (httpx carries them) where
+        aiohttp is missing: it comes with ray[default], not as wasma's own dependency."""
+        try:
+            import aiohttp
+        except ImportError:
+            log.warning("engine %s: aiohttp missing; streaming tokens over httpx", self.name)
+            self._use_aiohttp = False
+            return None
+        return aiohttp.ClientSession(
+            headers=self._headers,
+            connector=aiohttp.TCPConnector(
+                limit=1024,
+                # Under the server's keep-alive (uvicorn: 5 s), so a pooled connection is
+                # dropped here before the server drops it mid-reuse.
+                keepalive_timeout=4.0,
+            ),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=10.0, sock_read=self._request_timeout_s
+            ),
+            # vLLM's first event echoes the whole prompt; lines are split here anyway.
+            read_bufsize=1 << 16,
+        )
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -141,13 +223,16 @@ class OpenAIEngine(EngineClient):
                 await task
         self._tasks = []
         await self._http.aclose()
+        if self._aio is not None:
+            await self._aio.close()
+            self._aio = None
 
     # -- load ------------------------------------------------------------------------
     async def _scrape(self) -> None:
         try:
             resp = await self._http.get("/metrics", timeout=5.0)
             resp.raise_for_status()
-            self._last = parse_vllm_metrics(resp.text)
+            self._last = parse_vllm_metrics(wanted_metric_lines(resp.text, self._metric_prefixes))
             self._last_ok = time.monotonic()
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("engine %s: /metrics scrape failed: %s", self.name, exc)
@@ -233,69 +318,126 @@ class OpenAIEngine(EngineClient):
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        body = self._body(request)
-        headers = {"x-request-id": request.request_id}
+        content = _JSON_ENCODER.encode(self._body(request))
+        headers = {"x-request-id": request.request_id, "content-type": "application/json"}
+        # The finishing chunk is held back until the usage event that follows it (it
+        # carries the cache hit), so `finished` comes exactly once, last.
+        last: TokenChunk | None = None
+        async for data in self._post_stream(content, headers):
+            try:
+                event = _EVENT_DECODER.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise RemoteEngineError(f"{self.name}: bad stream event: {exc}") from None
+            if event.error is not None:
+                raise RemoteEngineError(f"{self.name}: {event.error}")
+            chunk = _chunk_of(event)
+            if chunk is None:
+                continue
+            if not chunk.token_ids and chunk.finish_reason is None and last is not None:
+                last = replace(last, num_cached_tokens=chunk.num_cached_tokens)
+            elif chunk.finished:
+                if last is not None:
+                    yield replace(last, finished=False, finish_reason=None)
+                last = chunk
+            else:
+                yield chunk
+        if last is None:
+            raise RemoteEngineError(f"{self.name}: stream ended without finishing")
+        yield last
+
+    def _check_status(self, status: int, text: str) -> None:
+        if status < 400:
+            return
+        if status < 500:
+            raise ValueError(_error_message(text, status))
+        raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
+
+    async def _post_stream(self, content: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """POST a streamed completion; the `data:` payloads of its SSE answer. Closing the
+        iterator early closes the connection, which makes vLLM abort the request."""
+        if self._aio is None:
+            # An injected httpx transport (tests) or no running aiohttp session yet.
+            try:
+                async with self._http.stream(
+                    "POST", "/v1/completions", content=content, headers=headers
+                ) as resp:
+                    if resp.status_code >= 400:
+                        text = (await resp.aread()).decode(errors="replace")
+                        self._check_status(resp.status_code, text)
+                    async for data in sse_data(resp.aiter_bytes()):
+                        yield data
+            except httpx.HTTPError as exc:
+                raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+            return
+        import aiohttp
+
+        url = self.base_url + "/v1/completions"
+        answer: Any = None
         try:
-            async with self._http.stream(
-                "POST", "/v1/completions", json=body, headers=headers
-            ) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode(errors="replace")
-                    if resp.status_code < 500:
-                        raise ValueError(_error_message(text, resp.status_code))
-                    raise RemoteEngineError(f"{self.name}: HTTP {resp.status_code}: {text[:300]}")
-                # The finishing chunk is held back until the usage event that follows it
-                # (it carries the cache hit), so `finished` comes exactly once, last.
-                last: TokenChunk | None = None
-                async for event in sse_events(resp):
-                    if "error" in event:
-                        raise RemoteEngineError(f"{self.name}: {event['error']}")
-                    chunk = _chunk_of(event)
-                    if chunk is None:
-                        continue
-                    if not chunk.token_ids and chunk.finish_reason is None and last is not None:
-                        last = replace(last, num_cached_tokens=chunk.num_cached_tokens)
-                    elif chunk.finished:
-                        if last is not None:
-                            yield replace(last, finished=False, finish_reason=None)
-                        last = chunk
-                    else:
-                        yield chunk
-                if last is None:
-                    raise RemoteEngineError(f"{self.name}: stream ended without finishing")
-                yield last
-        except httpx.HTTPError as exc:
+            for attempt in (0, 1):
+                try:
+                    answer = await self._aio.post(url, data=content, headers=headers)
+                except aiohttp.ServerDisconnectedError:
+                    # A pooled keep-alive connection the server closed just as it was
+                    # reused: nothing reached the engine, so sending again is safe.
+                    if attempt:
+                        raise
+                    continue
+                break
+            async with answer:
+                if answer.status >= 400:
+                    self._check_status(answer.status, await answer.text(errors="replace"))
+                async for data in sse_data(answer.content.iter_any()):
+                    yield data
+        except aiohttp.ClientError as exc:
             raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise RemoteEngineError(f"{self.name}: timed out: {exc}") from exc
+
+
+async def sse_data(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream (its body, as it arrives), up
+    to `[DONE]`, as bytes (split by hand: a text line decoder costs more than the JSON)."""
+    pending = b""
+    async for part in parts:
+        lines = (pending + part).split(b"\n") if pending else part.split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield data
+    if pending.startswith(b"data:"):
+        data = pending[5:].strip()
+        if data and data != b"[DONE]":
+            yield data
 
 
 async def sse_events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of an OpenAI-style server-sent event stream, up to `[DONE]`."""
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        event: dict[str, Any] = json.loads(data)
+    async for data in sse_data(resp.aiter_bytes()):
+        event: dict[str, Any] = _JSON_DECODER.decode(data)
         yield event
 
 
-def _chunk_of(event: dict[str, Any]) -> TokenChunk | None:
+def _chunk_of(event: _StreamEvent) -> TokenChunk | None:
     """One SSE event as a chunk; the final usage event carries the cache hit."""
-    choices = event.get("choices") or []
-    usage = event.get("usage")
+    choices = event.choices
+    usage = event.usage
     cached = None
-    if usage:
-        details = usage.get("prompt_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0)
+    if usage is not None:
+        details = usage.prompt_tokens_details
+        cached = int(details.cached_tokens or 0) if details is not None else 0
     if not choices:
         if usage is None:
             return None
         return TokenChunk((), False, None, cached)
     choice = choices[0]
-    reason = choice.get("finish_reason")
-    ids = tuple(int(t) for t in (choice.get("token_ids") or ()))
-    return TokenChunk(ids, reason is not None, reason, cached, choice.get("text") or "")
+    reason = choice.finish_reason
+    ids = tuple(choice.token_ids) if choice.token_ids else ()
+    return TokenChunk(ids, reason is not None, reason, cached, choice.text or "")
 
 
 def _error_message(text: str, status: int) -> str:
