@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping
+import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,6 +20,8 @@ from deploy.ray_channel import ChannelServer
 from deploy.router_service import RouterService, ServiceRequest
 from engines.base import EngineClient
 from engines.sim.profile import Profile, load_profile
+from scheduler.policy import TransferPricer
+from scheduler.pricing import LinkBandwidthPricer
 
 DEFAULT_SIM_PROFILE = "llama3-8b-h100"
 
@@ -72,6 +75,11 @@ class ServiceConfig:
     # openai engines: where each server publishes KV events (tcp://host:port), by index.
     kv_events: tuple[str, ...] = ()
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    # vllm engines: run the wasma KV connector so the policy can move a prefix's KV from
+    # the engine holding it instead of recomputing it; priced at this many bytes/s (on one
+    # host the peers talk over loopback TCP).
+    kv_transfer: bool = False
+    kv_transfer_Bps: float = 1e9
     # Fault handling (deploy/RELIABILITY.md): the journal of registered workflows that a
     # restarted router replays, engine timeouts, and how often Ray restarts the router.
     journal: str | None = None
@@ -122,22 +130,50 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
 
     assert cfg.model is not None
     vcfg = VLLMEngineConfig(model=cfg.model, **dict(cfg.engine_options))
+    count = cfg.engines.count
+    configs = [vcfg] * count
+    if cfg.kv_transfer:
+        # One peer port per engine; the engines run on this host (Ray actors or children).
+        configs = [replace(vcfg, kv_peer_port=port) for port in _free_ports(count)]
     try:
         from engines import vllm_actor
     except ImportError:
         from engines.vllm_engine import VLLMEngine
 
         return list(
-            await asyncio.gather(
-                *(VLLMEngine.launch(f"vllm{i}", vcfg) for i in range(cfg.engines.count))
-            )
+            await asyncio.gather(*(VLLMEngine.launch(f"vllm{i}", c) for i, c in enumerate(configs)))
         )
     launch = vllm_actor.RayVLLMEngine.launch
-    count = cfg.engines.count
     return list(
         await asyncio.gather(
-            *(launch(f"vllm{i}", vcfg, actor_options=_cpu_binding(i)) for i in range(count))
+            *(launch(f"vllm{i}", c, actor_options=_cpu_binding(i)) for i, c in enumerate(configs))
         )
+    )
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on this host (held open together so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def transfer_pricer(cfg: ServiceConfig, engines: Sequence[EngineClient]) -> TransferPricer | None:
+    """What the policy prices KV moves with, when the engines can carry them out."""
+    if not cfg.kv_transfer or not all(e.kv_peer for e in engines):
+        return None
+    names = [e.name for e in engines]
+    # One host: every pair of engines is one loopback hop apart.
+    return LinkBandwidthPricer(
+        names,
+        gpus_per_node=len(names),
+        intra_node_bytes_per_s=cfg.kv_transfer_Bps,
+        latency_s=1e-3,
     )
 
 
@@ -174,6 +210,7 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
         health_timeout_s=cfg.health_timeout_s,
         max_failovers=cfg.max_failovers,
         journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
+        pricer=transfer_pricer(cfg, engines),
     )
     await service.start()
     return service

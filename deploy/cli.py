@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(each vLLM server must publish on tcp://*:PORT; a non-wildcard address makes vLLM "
         "connect out and nothing arrives)",
     )
+    sv.add_argument(
+        "--kv-transfer",
+        action="store_true",
+        help="vllm engines: run the wasma KV connector so the policy can move a prefix's KV "
+        "between engines instead of recomputing it",
+    )
     sv.add_argument("--served-model-name", default=None)
 
     pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)

@@ -28,7 +28,14 @@ from deploy.metadata import WorkflowIdentity
 from deploy.metrics import WasmaMetrics
 from engines.base import EngineClient, GenerateRequest, KVEvent, TokenChunk
 from engines.sim.profile import Profile
-from scheduler.policy import NoHealthyEngine, PolicyContext, RequestInfo, TransferPricer
+from scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
+from scheduler.policy import (
+    NoHealthyEngine,
+    PolicyContext,
+    RequestInfo,
+    TransferOrder,
+    TransferPricer,
+)
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import PolicyRegistry, default_registry
 from scheduler.router import Router
@@ -38,6 +45,12 @@ from scheduler.workflow import Workflow, WorkflowError
 from scheduler.workflows import WorkflowRegistry, WorkflowState
 
 log = logging.getLogger(__name__)
+
+# Policies that derive constants from the profile when built (wasma: its per-token
+# prefill price, its critical-path cache), so a recalibrated profile reaches them only
+# through a fresh instance. The baselines never read the profile; rebuilding them would
+# only reset their state (rotation counters, the prefix tree).
+_COST_MODEL_POLICIES = frozenset({"wasma"})
 
 
 # -- errors (mapped to HTTP statuses by the gateway; picklable across Ray) -------------
@@ -142,6 +155,9 @@ class _Live:
     # The running wait for this request's next chunk; rescheduled to "now" to pull the
     # request off an engine the health check found dead or hung.
     waiting: asyncio.Timeout | None = None
+    # Its engine's load when it was placed, excluding itself (prefill tokens queued
+    # ahead, requests, KV tokens): what cost calibration compares the timings against.
+    load_at_dispatch: tuple[int, int, int] = (0, 0, 0)
 
 
 class RouterStream:
@@ -256,6 +272,7 @@ class RouterService:
         breaker_base_s: float = 1.0,
         breaker_max_s: float = 30.0,
         journal: WorkflowJournal | None = None,
+        calibration: CalibrationConfig | bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
@@ -280,8 +297,9 @@ class RouterService:
         self._clock = clock
         self._t0 = clock()
         state = ClusterState(names, num_kv_blocks=profile.num_kv_blocks)
-        # No transfer executor runs on the live path yet, so without a pricer the
-        # policies never order a KV move they could not carry out.
+        # Policies order KV moves only when given a pricer, and `build_service` gives one
+        # only when every engine runs the wasma connector (`--kv-transfer`) and so can
+        # carry a move out.
         self.ctx = PolicyContext(
             state=state,
             index=PrefixIndex(names),
@@ -290,7 +308,12 @@ class RouterService:
             pricer=pricer,
             params=dict(params or {}),
         )
-        self.router = Router(self.ctx, (registry or default_registry()).create(policy, self.ctx))
+        self._registry = registry or default_registry()
+        self.router = Router(self.ctx, self._registry.create(policy, self.ctx))
+        self._fitted_profile = profile
+        self.calibrator: CostCalibrator | None = None
+        self.recalibrations = 0
+        self.set_calibration(calibration)
         self.max_outstanding = max_outstanding
         self.stats_interval_s = stats_interval_s
         self.idle_workflow_s = idle_workflow_s
@@ -529,6 +552,16 @@ class RouterService:
             self.policy_name, placement.kind.value, self.router.decision_us[-1] * 1e-6
         )
         live = _Live(req, placement.engine, wkey, node_id, now, info)
+        if self.calibrator is not None:
+            load = self.ctx.state.loads[placement.engine]
+            bs = self.block_size
+            own_prefill = max(info.prompt_tokens - placement.hit_blocks * bs, 0)
+            own_blocks = -(-(info.prompt_tokens + info.max_tokens) // bs)
+            live.load_at_dispatch = (
+                max(load.pending_prefill_tokens - own_prefill, 0),
+                max(load.outstanding - 1, 0),
+                max(load.active_blocks - own_blocks, 0) * bs,
+            )
         self._live[req.request_id] = live
         return live, placement
 
@@ -539,7 +572,7 @@ class RouterService:
         live, placement = self._place(req)
         try:
             try:
-                gen, first = await self._start(live, placement.priority)
+                gen, first = await self._start(live, placement.priority, placement.transfer)
             except _EngineFault as fault:
                 gen, first = await self._failover(live, fault)
         except BaseException:
@@ -554,11 +587,19 @@ class RouterService:
         return stream
 
     async def _start(
-        self, live: _Live, priority: int
+        self, live: _Live, priority: int, transfer: TransferOrder | None = None
     ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
-        """Submit `live` (from the tokens it already has) to its engine; its first chunk."""
+        """Submit `live` (from the tokens it already has) to its engine; its first chunk.
+
+        A transfer order becomes the engine's `kv_transfer` (its connector loads the prefix
+        from the holder's peer server, and recomputes it if that fails)."""
         req = live.req
         engine = self.engines[live.slot]
+        kv_transfer: dict[str, object] | None = None
+        if transfer is not None and transfer.src != live.slot and not live.out_ids:
+            peer = self.engines[transfer.src].kv_peer
+            if peer and engine.kv_peer:
+                kv_transfer = {"wasma_peer": peer}
         if not priority and req.identity.priority is not None:
             priority = req.identity.priority  # the client's hint when the policy has none
         prompt = req.prompt_token_ids
@@ -575,6 +616,7 @@ class RouterService:
             ignore_eos=req.ignore_eos,
             temperature=req.temperature,
             extra=req.extra,
+            kv_transfer=kv_transfer,
         )
         try:
             gen = engine.generate(greq)
@@ -659,7 +701,7 @@ class RouterService:
             )
             live.slot = placement.engine
             try:
-                return await self._start(live, placement.priority)
+                return await self._start(live, placement.priority, placement.transfer)
             except _EngineFault as again:
                 fault = again
 
@@ -727,6 +769,7 @@ class RouterService:
             self.cancelled += 1
         else:
             self.completed += 1
+            self._calibrate(live, now)
         registry = self.ctx.workflows
         if live.wkey.startswith("~"):
             # A request without workflow metadata is a one-node workflow (DESIGN.md) with
@@ -742,6 +785,60 @@ class RouterService:
             # The registered DAG's last node just finished.
             latency = now - wst.arrival_s
             self.metrics.observe_workflow(wst.app, latency, now <= wst.deadline_s)
+
+    def _calibrate(self, live: _Live, now: float) -> None:
+        """Feed a request served start to finish by one engine to the calibrator; swap
+        in a rescaled profile when the engines' speed moved."""
+        cal = self.calibrator
+        if cal is None or live.first_s is None or live.failovers:
+            return
+        queued, others, ctx_tokens = live.load_at_dispatch
+        prompt = len(live.req.prompt_token_ids)
+        timing = RequestTiming(
+            prompt_tokens=prompt,
+            cached_tokens=min(live.cached, prompt),
+            output_tokens=live.n_out,
+            ttft_s=live.first_s - live.start_s,
+            decode_s=now - live.first_s,
+            queued_prefill_tokens=queued,
+            batch=others + 1,
+            batch_context_tokens=ctx_tokens,
+        )
+        if cal.observe(timing):
+            self.set_profile(cal.publish())
+
+    def set_calibration(self, calibration: CalibrationConfig | bool | None) -> None:
+        """Cost calibration (scheduler/calibration.py): the profile was fitted in-process
+        on an idle engine; real engines behind HTTP on a busy host run slower, by factors
+        learned from finished requests. None: on unless every engine is simulated (they
+        follow the profile by construction, and their tests expect exact placements).
+        Turning it off puts the fitted profile back."""
+        if calibration is None:
+            calibration = not all(_simulated(e) for e in self.engines)
+        if calibration is True:
+            calibration = CalibrationConfig()
+        self.calibrator = (
+            CostCalibrator(self._fitted_profile, calibration)
+            if isinstance(calibration, CalibrationConfig)
+            else None
+        )
+        if self.ctx.profile != self._fitted_profile:
+            self.set_profile(self._fitted_profile)  # a new calibrator starts from it
+
+    def set_profile(self, profile: Profile) -> None:
+        """Give the policy a new cost model (same block size and limits)."""
+        self.ctx.profile = profile
+        self.recalibrations += 1
+        if self.policy_name in _COST_MODEL_POLICIES:
+            self.router.policy = self._registry.create(self.policy_name, self.ctx)
+        if self.calibrator is not None:
+            c = self.calibrator.current()
+            log.info(
+                "cost model recalibrated: prefill x%.2f, step x%.2f, batching x%.2f",
+                c.prefill,
+                c.step,
+                c.seq,
+            )
 
     def _release_open(self, wkey: str, now: float) -> None:
         entry = self._open_wf.get(wkey)
@@ -888,6 +985,9 @@ class RouterService:
             "cancelled": self.cancelled,
             "failovers": self.failovers,
             "engine_faults": self.engine_faults,
+            "calibration": None
+            if self.calibrator is None
+            else {**self.calibrator.snapshot(), "recalibrations": self.recalibrations},
         }
 
     def render_metrics(self, http_codes: Mapping[int, int] | None = None) -> tuple[bytes, str]:
@@ -904,6 +1004,13 @@ class RouterService:
 
     def engine_names(self) -> list[str]:
         return [e.name for e in self.engines]
+
+
+def _simulated(engine: EngineClient) -> bool:
+    """Whether `engine` is the simulator (it runs the profile itself)."""
+    from engines.sim_engine import SimEngine
+
+    return isinstance(engine, SimEngine)
 
 
 def _max_model_len(engine: EngineClient) -> int | None:

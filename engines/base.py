@@ -60,6 +60,10 @@ class GenerateRequest:
     ignore_eos: bool = True
     temperature: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
+    # Load the prompt's prefix KV from a peer engine before computing the rest: vLLM's
+    # `kv_transfer_params` for the wasma connector (transfer/vllm_connector.py), e.g.
+    # {"wasma_peer": "host:port"}. Set by the router only, never from client input.
+    kv_transfer: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,9 @@ class EngineClient(ABC):
 
     name: str
     block_size: int
+    # Where this engine serves its KV to peers (the wasma connector's "host:port"), if
+    # it runs the connector; the router names it in `GenerateRequest.kv_transfer`.
+    kv_peer: str | None = None
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:

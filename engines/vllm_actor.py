@@ -38,7 +38,7 @@ class VLLMEngineActor:
         self._engine = VLLMEngine(name, config)
         self._events: asyncio.Queue[KVEvent] | None = None
 
-    async def start(self) -> dict[str, int]:
+    async def start(self) -> dict[str, Any]:
         # Created here, not in __init__: Ray runs async actor methods on its own loop,
         # and the queue must belong to that loop.
         self._events = asyncio.Queue()
@@ -49,6 +49,7 @@ class VLLMEngineActor:
             "block_size": self._engine.block_size,
             "vocab_size": self._engine.vocab_size,
             "num_kv_blocks": self._engine.num_kv_blocks,
+            "kv_peer": self._engine.kv_peer,
         }
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -125,6 +126,7 @@ class RayVLLMEngine(EngineClient):
         self.block_size = int(info["block_size"])
         self.vocab_size = int(info["vocab_size"])
         self.num_kv_blocks = int(info["num_kv_blocks"])
+        self.kv_peer = info.get("kv_peer")
         self._started = True
         if self._sinks:
             self._ensure_poller()

