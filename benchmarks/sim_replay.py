@@ -264,14 +264,17 @@ class SimReplay:
             self._submit(wf, child, now)
         self._release_held(now)
 
-    def _release_held(self, now: float) -> None:
+    def _release_held(self, now: float, force_first: bool = False) -> None:
         """Capacity freed: offer held requests again, most urgent first, until the
-        policy holds one back again."""
+        policy holds one back again. `force_first` dispatches the first whatever the
+        policy says."""
         held = self._held
+        force = force_first
         while held:
             _prio, _seq, wf, node_id, since = heapq.heappop(held)
             before = len(held)
-            self._submit(wf, node_id, now, held_since=since)
+            self._submit(wf, node_id, now, held_since=since, force=force)
+            force = False
             if len(held) > before:
                 return
 
@@ -323,8 +326,7 @@ class SimReplay:
                 # Nothing runs and nothing arrives that could free capacity: a held
                 # request would wait forever. Policies should not hold for an idle
                 # cluster; this keeps a run finite (and every request completed) if one does.
-                _prio, _s, wf, node_id, since = heapq.heappop(self._held)
-                self._submit(wf, node_id, now, held_since=since, force=True)
+                self._release_held(now, force_first=True)
         if self._left:
             raise RuntimeError(f"{len(self._left)} workflows never finished (simulator bug)")
         return RunResult(

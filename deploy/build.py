@@ -134,7 +134,7 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
     configs = [vcfg] * count
     if cfg.kv_transfer:
         # One peer port per engine; the engines run on this host (Ray actors or children).
-        configs = [replace(vcfg, kv_peer_port=port) for port in _free_ports(count)]
+        configs = [replace(vcfg, kv_peer_port=port) for port in free_ports(count)]
     try:
         from engines import vllm_actor
     except ImportError:
@@ -151,12 +151,12 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
     )
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on this host (held open together so none repeats)."""
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free TCP ports on `host` (held open together so none repeats)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:

@@ -26,7 +26,14 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from deploy.build import EngineSpec, RouterActor, ServiceConfig, build_service, resolve_profile
+from deploy.build import (
+    EngineSpec,
+    RouterActor,
+    ServiceConfig,
+    build_service,
+    free_ports,
+    resolve_profile,
+)
 from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
 from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -360,9 +367,7 @@ def _serve_two(app: FastAPI, host: str, port: int, admin_port: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 class ServerThread:

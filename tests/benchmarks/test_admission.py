@@ -52,19 +52,19 @@ def _ctx(outstanding: int, can_defer: bool = True) -> tuple[PolicyContext, Any, 
         # Requests decoding long contexts: each adds to every step of the engine.
         state.on_dispatch(f"bg{i}", 0, Charge(500, 0, 300))
     ctx = PolicyContext(state, PrefixIndex(["e0"]), WorkflowRegistry(), PROF, can_defer=can_defer)
+    # The child's prompt: the root's 200 output tokens and 100 of its own.
+    alone = PROF.request_alone_s(4000, 200) + PROF.request_alone_s(300, 200)
+    # Deadline 1.5x the critical path alone (generated workflows get 2x).
     wf = Workflow.create(
         "wf",
         "app",
         0.0,
-        1.0,
+        1.5 * alone,
         [
             Node("root", (), 200, (Unique(4000),)),
             Node("child", ("root",), 200, (OutputOf("root"), Unique(100))),
         ],
     )
-    alone = PROF.request_alone_s(4000, 200) + PROF.request_alone_s(300, 200)
-    # Deadline 1.5x the critical path alone, as generated workflows have (2x there).
-    wf = Workflow.create(wf.workflow_id, wf.app, 0.0, 1.5 * alone, list(wf.nodes.values()))
     ctx.workflows.register(wf, 0.0)
     return ctx, default_registry().create("wasma", ctx), wf
 

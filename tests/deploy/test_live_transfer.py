@@ -46,7 +46,7 @@ class SteeredByNodeId(Policy):
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
-    from deploy.build import _free_ports
+    from deploy.build import free_ports
     from deploy.gateway import GatewayConfig, create_app
     from deploy.router_client import LocalRouterClient, RouterClient
     from deploy.router_service import RouterService
@@ -61,7 +61,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     async def factory() -> RouterClient:
         import asyncio
 
-        ports = _free_ports(2)
+        ports = free_ports(2)
         engines = await asyncio.gather(
             *(
                 VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=p))
