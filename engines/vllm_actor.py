@@ -50,6 +50,7 @@ class VLLMEngineActor:
             "vocab_size": self._engine.vocab_size,
             "num_kv_blocks": self._engine.num_kv_blocks,
             "kv_peer": self._engine.kv_peer,
+            "shared_host": self._engine.shared_host,
         }
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -127,6 +128,7 @@ class RayVLLMEngine(EngineClient):
         self.vocab_size = int(info["vocab_size"])
         self.num_kv_blocks = int(info["num_kv_blocks"])
         self.kv_peer = info.get("kv_peer")
+        self.shared_host = str(info.get("shared_host") or "")
         self._started = True
         if self._sinks:
             self._ensure_poller()

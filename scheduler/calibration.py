@@ -84,6 +84,9 @@ class RequestTiming:
     queued_prefill_tokens: int = 0  # prefill work already on the engine at dispatch
     batch: int = 1  # requests on the engine while it ran, itself included
     batch_context_tokens: int = 0  # KV tokens of the other requests in that batch
+    # Other engines on its host's cores that were busy at dispatch: the profile prices
+    # their slowdown separately (`host_contention`), so it is taken out here.
+    busy_neighbours: int = 0
 
 
 @dataclass(slots=True)
@@ -197,6 +200,9 @@ class CostCalibrator:
             return False
         if t.ttft_s < 0 or t.decode_s < 0 or t.prompt_tokens <= 0:
             return False
+        if t.busy_neighbours > 0 and self.base.host_contention > 0:
+            slowed = 1.0 + self.base.host_contention * t.busy_neighbours
+            t = replace(t, ttft_s=t.ttft_s / slowed, decode_s=t.decode_s / slowed)
         w = self.cfg.weight
         self.samples += 1
         if t.output_tokens > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 from engines.base import BlockRemoved, BlockStored, KVEvent
 from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
@@ -22,12 +23,17 @@ class Router:
         self.decision_us: deque[float] = deque(maxlen=keep_decisions)
         self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
 
-    def route(self, req: RequestInfo, now: float) -> Placement:
+    def route(self, req: RequestInfo, now: float, force: bool = False) -> Placement:
+        """The policy's placement for `req`, charged to its engine, unless the policy
+        holds it (`defer`): then nothing is charged. `force` dispatches it anyway (a
+        driver releasing held work because nothing else could free capacity)."""
         t0 = time.perf_counter_ns()
         placement = self.policy.place(req, now)
         self.decision_us.append((time.perf_counter_ns() - t0) / 1000)
         if placement.defer:
-            return placement
+            if not force:
+                return placement
+            placement = replace(placement, defer=False)
         bs = self.ctx.block_size
         charge = Charge(
             blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),

@@ -14,6 +14,10 @@ class EngineLoad:
     fields are the engine's last stats (scraped or event-fed) and may lag."""
 
     name: str
+    # The machine whose CPU cores this engine's compute shares with the other engines
+    # naming the same host ("" = a device of its own, e.g. a GPU): see
+    # `Profile.host_contention`.
+    host: str = ""
     outstanding: int = 0  # requests dispatched and not finished
     active_blocks: int = 0  # KV blocks the outstanding requests will hold (prompt + output)
     pending_prefill_tokens: int = 0  # prompt tokens still to prefill (not cached)
@@ -36,10 +40,21 @@ class Charge:
 
 
 class ClusterState:
-    def __init__(self, engines: Sequence[str], num_kv_blocks: int = 0) -> None:
-        self.loads = [EngineLoad(name, num_kv_blocks=num_kv_blocks) for name in engines]
+    def __init__(
+        self,
+        engines: Sequence[str],
+        num_kv_blocks: int = 0,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
+        if hosts is not None and len(hosts) != len(engines):
+            raise ValueError(f"{len(hosts)} hosts for {len(engines)} engines")
+        self.loads = [
+            EngineLoad(name, host=hosts[i] if hosts else "", num_kv_blocks=num_kv_blocks)
+            for i, name in enumerate(engines)
+        ]
         self._slot = {name: i for i, name in enumerate(engines)}
         self._charges: dict[str, tuple[int, Charge]] = {}
+        self._neighbours: list[list[int]] | None = None
 
     @property
     def engines(self) -> list[str]:
@@ -48,12 +63,28 @@ class ClusterState:
     def slot(self, engine: str) -> int:
         return self._slot[engine]
 
-    def add_engine(self, name: str, num_kv_blocks: int = 0) -> int:
+    def add_engine(self, name: str, num_kv_blocks: int = 0, host: str = "") -> int:
         if name in self._slot:
             return self._slot[name]
         self._slot[name] = len(self.loads)
-        self.loads.append(EngineLoad(name, num_kv_blocks=num_kv_blocks))
+        self.loads.append(EngineLoad(name, host=host, num_kv_blocks=num_kv_blocks))
+        self._neighbours = None
         return self._slot[name]
+
+    def host_neighbours(self) -> list[list[int]]:
+        """For each engine, the other engines sharing its host's cores (empty for an
+        engine with a device of its own)."""
+        if self._neighbours is not None:
+            return self._neighbours
+        by_host: dict[str, list[int]] = {}
+        for i, load in enumerate(self.loads):
+            if load.host:
+                by_host.setdefault(load.host, []).append(i)
+        self._neighbours = [
+            [j for j in by_host[load.host] if j != i] if load.host else []
+            for i, load in enumerate(self.loads)
+        ]
+        return self._neighbours
 
     def on_dispatch(self, request_id: str, slot: int, charge: Charge) -> None:
         load = self.loads[slot]

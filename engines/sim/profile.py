@@ -58,6 +58,11 @@ class Profile:
     long_prefill_token_threshold: int = 0
     vocab_size: int = 128_256
     sources: tuple[str, ...] = ()
+    # How much slower an engine's steps run for each other busy engine on the same host
+    # (engines whose compute is the host's shared CPU cores, not a GPU of their own):
+    # 0.5 = 1.5x the step time beside one busy neighbour. The simulator runs every
+    # engine on its own device; the policy prices it for engines that share a host.
+    host_contention: float = 0.0
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         """Time to prefill `tokens` (of which `cached` are already in KV) alone."""
@@ -111,7 +116,15 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     for key in _INT_FIELDS:
         if ints[key] == 0:
             raise ProfileError(f"{where}: {key} must be positive")
-    known = {"name", "step", "sources", "long_prefill_token_threshold", "vocab_size", *_INT_FIELDS}
+    known = {
+        "name",
+        "step",
+        "sources",
+        "long_prefill_token_threshold",
+        "vocab_size",
+        "host_contention",
+        *_INT_FIELDS,
+    }
     if set(data) - known:
         raise ProfileError(f"{where}: unknown field(s) {sorted(set(data) - known)}")
     if (ints["num_kv_blocks"] - 1) * ints["block_size"] < ints["max_model_len"]:
@@ -142,10 +155,21 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     sources = data.get("sources", [])
     if not isinstance(sources, list):
         raise ProfileError(f"{where}: sources must be a list of strings")
+    contention = data.get("host_contention", 0.0)
+    if (
+        isinstance(contention, bool)
+        or not isinstance(contention, int | float)
+        or not math.isfinite(contention)
+        or not 0 <= contention <= 16
+    ):
+        raise ProfileError(
+            f"{where}: host_contention must be a number in [0, 16], got {contention!r}"
+        )
     return Profile(
         name=str(data["name"]),
         step=StepModel(**coeffs),
         sources=tuple(str(s) for s in sources),
+        host_contention=float(contention),
         **ints,
     )
 

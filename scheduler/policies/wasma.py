@@ -20,7 +20,10 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   only slow those admitted before it), and requests already hopeless wait for a quiet
   engine; held work is offered again, most urgent first, whenever a request finishes;
 - retention: nodes whose context descendants will extend are flagged so the engine
-  evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet).
+  evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet);
+- shared hosts: engines whose compute is one host's CPU cores slow each other while
+  both are busy (`Profile.host_contention`), so waking an idle engine beside a busy one
+  is priced as what it costs both, not as free parallelism.
 """
 
 from __future__ import annotations
@@ -84,6 +87,22 @@ class Wasma(Policy):
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
         self._cp_cache: dict[str, tuple[dict[str, float], frozenset[str]]] = {}
         self._rotate = 0
+        self._kappa = prof.host_contention
+
+    def _busy_s(self, s: int) -> float:
+        """How long engine `s` stays busy with the work already on it: its queued
+        prefill, then its requests decoding side by side at its current batch."""
+        load = self.ctx.state.loads[s]
+        if load.outstanding <= 0:
+            return 0.0
+        st = self.ctx.profile.step
+        step = (
+            st.base_s
+            + st.per_decode_seq_s * load.outstanding
+            + st.per_decode_ctx_token_s * load.active_blocks * self._bs
+        )
+        steps = load.pending_decode_tokens / load.outstanding
+        return load.pending_prefill_tokens * self._c_prefill + steps * step
 
     # -- workflow lookahead ----------------------------------------------------------
     def _lookahead(self, wst: WorkflowState | None, req: RequestInfo) -> tuple[float | None, bool]:
@@ -150,6 +169,38 @@ class Wasma(Policy):
             return False
         return remaining * slowdown > p["admission_margin"] * left
 
+    def _contended(
+        self, s: int, own: float, neighbours: list[int], busy_s: dict[int, float]
+    ) -> tuple[float, float]:
+        """(this request's time on `s` with its host's busy neighbours slowing it, the
+        delay it imposes on their requests). Each busy neighbour slows `s` by the factor
+        `host_contention` while both run; where this request keeps `s` busy past its
+        current work (always, if `s` is idle), that extra stretch slows the neighbour's
+        requests by the same factor."""
+        kappa = self._kappa
+        loads = self.ctx.state.loads
+        mine = busy_s.get(s)
+        if mine is None:
+            mine = busy_s[s] = self._busy_s(s)
+        overlap = 0.0
+        for j in neighbours:
+            lj = loads[j]
+            if lj.outstanding <= 0 or not lj.healthy:
+                continue
+            theirs = busy_s.get(j)
+            if theirs is None:
+                theirs = busy_s[j] = self._busy_s(j)
+            overlap += min(own, theirs)
+        slowed = own + kappa * overlap
+        added = max(0.0, slowed - mine)
+        imposed = 0.0
+        if added > 0:
+            for j in neighbours:
+                lj = loads[j]
+                if lj.outstanding > 0 and lj.healthy:
+                    imposed += lj.outstanding * kappa * min(added, max(0.0, busy_s[j] - mine))
+        return slowed, imposed
+
     # -- placement -------------------------------------------------------------------
     def place(self, req: RequestInfo, now: float) -> Placement:
         ctx = self.ctx
@@ -187,6 +238,11 @@ class Wasma(Policy):
         attn = st.per_prefill_attn_s * req.prompt_tokens
         ext_w = p["externality"]
         step_inc = st.per_decode_seq_s + st.per_decode_ctx_token_s * req.prompt_tokens
+        # Engines sharing a host's cores slow each other while both are busy (CPU
+        # engines; `Profile.host_contention`, 0 for engines with a device each).
+        kappa = self._kappa if load_aware else 0.0
+        neighbours = ctx.state.host_neighbours() if kappa > 0 else None
+        busy_s: dict[int, float] = {}
         best_key: tuple[float, int] | None = None
         best: tuple[float, int, int, TransferOrder | None] = (0.0, slots[0], 0, None)
         for s in slots:
@@ -227,6 +283,9 @@ class Wasma(Policy):
             else:
                 step = st.base_s
             own = queued + prefill + req.max_tokens * step
+            if neighbours is not None and neighbours[s]:
+                own, shared = self._contended(s, own, neighbours[s], busy_s)
+                others += shared
             est = own + ext_w * others
             key = (est, load.outstanding)
             if best_key is None or key < best_key:

@@ -23,6 +23,7 @@ from engines.openai_engine import (
     KVEventBatch,
     OpenAIEngine,
     RemoteEngineError,
+    url_host,
 )
 from scheduler.tokens import hash_token_blocks
 
@@ -274,3 +275,12 @@ async def test_subscribes_to_the_servers_zmq_publisher() -> None:
         await engine.close()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_servers_on_one_machine_share_its_host() -> None:
+    same = {
+        url_host(u) for u in ("http://127.0.0.1:8000", "http://localhost:8001/", "http://[::1]:9")
+    }
+    assert same == {"localhost"}
+    assert url_host("http://GPU-node-3:8000/v1") == "gpu-node-3"
+    assert OpenAIEngine("e", "http://127.0.0.1:1").shared_host == "localhost"

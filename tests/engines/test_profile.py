@@ -91,6 +91,9 @@ def test_yaml_file_round_trip(tmp_path: Path) -> None:
     p = load_profile(str(f))
     assert isinstance(p, Profile) and p.name == "t" and p.sources == ("a test",)
     assert p.vocab_size > 0 and p.long_prefill_token_threshold == 0
+    assert p.host_contention == 0.0  # a device of its own unless measured otherwise
+    f.write_text(yaml.safe_dump({**raw(), "host_contention": 0.8}))
+    assert load_profile(str(f)).host_contention == 0.8
 
 
 @pytest.mark.parametrize(
@@ -109,6 +112,11 @@ def test_yaml_file_round_trip(tmp_path: Path) -> None:
         (lambda d: d["step"].update(per_prefill_token_s=-1.0), r"step\.per_prefill_token_s"),
         (lambda d: d["step"].update(base_s=0.0), r"step\.base_s must be > 0"),
         (lambda d: d.update(sources="x"), "sources must be a list"),
+        (
+            lambda d: d.update(host_contention=-0.1),
+            r"host_contention must be a number in \[0, 16\]",
+        ),
+        (lambda d: d.update(host_contention="lots"), "host_contention"),
     ],
 )
 def test_bad_profile_fields_name_file_and_field(mutate: Any, pattern: str) -> None:

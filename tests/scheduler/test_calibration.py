@@ -226,3 +226,20 @@ def test_until_enough_requests_every_factor_is_the_decode_ratio() -> None:
     c = cal.current()
     assert c.prefill == pytest.approx(6.0, rel=1e-3)
     assert c.step == pytest.approx(2.5, rel=1e-3) and c.seq == pytest.approx(2.5, rel=1e-3)
+
+
+def test_busy_host_neighbours_are_not_learned_as_a_slower_engine() -> None:
+    """Where the profile prices engines slowing their host neighbours, timings taken
+    beside busy neighbours are divided by that slowdown before they are learned: the
+    engine's own pace is the same whether its neighbour was busy or not."""
+    from dataclasses import replace
+
+    shared = replace(PROFILE, host_contention=0.5)
+    cal = CostCalibrator(shared, CalibrationConfig(warmup_requests=0))
+    for i in range(40):
+        t = _timing(cal, 3.0, 3.0)
+        if i % 2:  # beside one busy neighbour: everything 1.5x slower
+            t = replace(t, ttft_s=t.ttft_s * 1.5, decode_s=t.decode_s * 1.5, busy_neighbours=1)
+        cal.observe(t)
+    assert cal.scales() == (pytest.approx(3.0), pytest.approx(3.0))
+    assert cal.profile().host_contention == 0.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from scheduler.policy import NoHealthyEngine, PlacementKind, PolicyContext, Requ
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import UnknownPolicy, default_registry
 from scheduler.router import Router
-from scheduler.state import ClusterState
+from scheduler.state import Charge, ClusterState
 from scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
 from scheduler.workflows import WorkflowRegistry
 
@@ -23,11 +24,14 @@ DESIGN_POLICIES = ["round_robin", "least_loaded", "prefix_aware", "kv_aware", "s
 
 
 def make_ctx(
-    n: int = 4, params: dict[str, Any] | None = None, profile: Profile = PROFILE
+    n: int = 4,
+    params: dict[str, Any] | None = None,
+    profile: Profile = PROFILE,
+    hosts: list[str] | None = None,
 ) -> PolicyContext:
     names = [f"e{i}" for i in range(n)]
     return PolicyContext(
-        state=ClusterState(names, num_kv_blocks=profile.num_kv_blocks - 1),
+        state=ClusterState(names, num_kv_blocks=profile.num_kv_blocks - 1, hosts=hosts),
         index=PrefixIndex(names),
         workflows=WorkflowRegistry(),
         profile=profile,
@@ -393,6 +397,52 @@ def test_wasma_spreads_unrelated_requests() -> None:
         for i in range(4)
     }
     assert got == {0, 1, 2, 3}
+
+
+def spread_two_unrelated(contention: float, hosts: list[str] | None) -> list[int]:
+    """Where wasma puts two unrelated requests arriving together on two engines."""
+    ctx = make_ctx(n=2, profile=replace(PROFILE, host_contention=contention), hosts=hosts)
+    router = Router(ctx, policy("wasma", ctx))
+    return [
+        router.route(req(f"r{i}", list(range(i * 1000, i * 1000 + 30)), max_tokens=200), 0.0).engine
+        for i in range(2)
+    ]
+
+
+def test_wasma_keeps_to_one_engine_when_host_neighbours_slow_each_other() -> None:
+    # Engines with devices of their own (or no measured contention): the idle one wins.
+    assert sorted(spread_two_unrelated(0.0, ["h", "h"])) == [0, 1]
+    assert sorted(spread_two_unrelated(1.5, ["a", "b"])) == [0, 1]
+    assert sorted(spread_two_unrelated(1.5, None)) == [0, 1]
+    # Two engines on one host's cores, each step twice as slow (+1.5) beside a busy
+    # neighbour: waking the idle one costs both more than batching the two together.
+    first, second = spread_two_unrelated(1.5, ["h", "h"])
+    assert first == second
+
+
+def test_wasma_host_contention_slows_the_idle_neighbour() -> None:
+    def place_beside_busy(contention: float) -> tuple[int, float]:
+        ctx = make_ctx(n=2, profile=replace(PROFILE, host_contention=contention), hosts=["h"] * 2)
+        # Engine 0 has a long prefill queue: the request goes to engine 1 either way.
+        ctx.state.on_dispatch(
+            "busy", 0, Charge(blocks=400, prefill_tokens=600_000, decode_tokens=400)
+        )
+        placed = policy("wasma", ctx).place(req("r", list(range(30)), max_tokens=200), 0.0)
+        return placed.engine, placed.estimated_finish_s
+
+    (e0, plain), (e1, slowed) = place_beside_busy(0.0), place_beside_busy(0.5)
+    assert e0 == e1 == 1
+    # Engine 0 stays busy longer than the request runs: every step of it is 1.5x.
+    assert slowed == pytest.approx(plain * 1.5)
+
+
+def test_cluster_state_groups_engines_by_host() -> None:
+    st = ClusterState(["a", "b", "c", "d"], hosts=["h1", "h1", "", "h2"])
+    assert st.host_neighbours() == [[1], [0], [], []]
+    st.add_engine("e", host="h2")
+    assert st.host_neighbours()[3] == [4]
+    with pytest.raises(ValueError, match="2 hosts for 1 engines"):
+        ClusterState(["a"], hosts=["x", "y"])
 
 
 def wasma_priority(deadline_abs: float, now: float = 0.0, known: bool = True) -> int:
