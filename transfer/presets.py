@@ -125,26 +125,34 @@ def build_cpu_cluster(
     tcp_Bps: float = 2e9,
     tcp_latency_s: float = 20e-6,
     copy_latency_s: float = 0.0,
+    memory_Bps: float | None = None,
 ) -> Topology:
     """Worker processes as devices (named like GPUs, `n0.gpu0`...), for the CPU executor.
 
     A hop inside a host is one memcpy done by the receiving process: a worker takes in
-    `copy_Bps` (its link's CPU -> worker direction), while readers of its buffer are only
-    bounded by the host, whose CPU node caps all concurrent copies together at
-    `cores` x `copy_Bps`, since a copy occupies a core. Hosts talk over TCP through a LAN
-    switch at `tcp_Bps`."""
+    `copy_Bps` (one copy running alone; its link's CPU -> worker direction), while readers
+    of its buffer are only bounded by the host. The host's CPU node caps all concurrent
+    copies together, shared evenly among them, at the smaller of two limits: `cores` x
+    `copy_Bps`, since a copy occupies a core, and `memory_Bps`, the copy rate the host's
+    memory sustains summed over concurrent copies (each reads and writes every byte
+    through the same memory controllers, so two copies at once rarely run twice as fast
+    as one; None: no limit beyond the cores). Hosts talk over TCP through a LAN switch at
+    `tcp_Bps`."""
     if hosts < 1 or workers_per_host < 1 or not cores > 0:
         raise TopologyError("hosts and workers_per_host must be >= 1, cores > 0")
+    if memory_Bps is not None and not memory_Bps > 0:
+        raise TopologyError("memory_Bps must be > 0")
+    host_Bps = cores * copy_Bps if memory_Bps is None else min(cores * copy_Bps, memory_Bps)
     builder = TopologyBuilder(f"cpu-{hosts}x{workers_per_host}")
     if hosts > 1:
         builder.add_device("lan", "switch")
     for h in range(hosts):
         host = f"n{h}"
-        cpu = builder.add_device(f"{host}.cpu0", "cpu", host, throughput_Bps=cores * copy_Bps)
+        cpu = builder.add_device(f"{host}.cpu0", "cpu", host, throughput_Bps=host_Bps)
         for w in range(workers_per_host):
             worker = builder.add_device(f"{host}.gpu{w}", "gpu", host)
             builder.add_link(
-                worker, cpu, cores * copy_Bps, copy_latency_s, "memory", bandwidth_back_Bps=copy_Bps
+                worker, cpu, host_Bps, copy_latency_s, "memory", bandwidth_back_Bps=copy_Bps
             )
         if hosts > 1:
             nic = builder.add_device(f"{host}.nic0", "nic", host)

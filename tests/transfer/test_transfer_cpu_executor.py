@@ -101,3 +101,65 @@ def test_result_reports_per_destination_throughput(topos: Any) -> None:
     plan = Planner(topo).plan("n0.gpu0", ["n0.gpu1"], 1 << 20)
     result = CpuExecutor(topo).run(plan, np.zeros(1 << 20, np.uint8))
     assert result.throughput_Bps == pytest.approx((1 << 20) / result.elapsed_s)
+
+
+def test_workers_and_buffers_are_reused_across_runs(topos: Any) -> None:
+    topo = topos.switch(4)
+    planner = Planner(topo, max_chunks=8)
+    plan = planner.plan("n0.gpu0", ["n0.gpu1", "n0.gpu2", "n0.gpu3"], SIZE, algorithms=["chain"])
+    with CpuExecutor(topo) as executor:
+        assert isinstance(executor, CpuExecutor)
+        assert executor.run(plan).verified
+        pool = executor._pool
+        assert pool is not None
+        pids = {d: p.pid for d, p in pool.workers.items()}
+        payload = np.arange(SIZE, dtype=np.uint64).astype(np.uint8)
+        assert executor.run(plan, payload).verified
+        assert executor._pool is pool  # same processes, same registered buffers
+        assert {d: p.pid for d, p in pool.workers.items()} == pids
+        assert np.array_equal(pool.views["n0.gpu3"][:SIZE], payload)
+        # A smaller plan fits the registered buffers too.
+        small = planner.plan("n0.gpu1", ["n0.gpu2"], 1000, algorithms=["direct"])
+        assert executor.run(small).verified and executor._pool is pool
+        # A larger one registers larger buffers (new workers) and still delivers.
+        big = planner.plan("n0.gpu0", ["n0.gpu1"], 2 * SIZE, algorithms=["direct"])
+        assert executor.run(big).verified and executor._pool is not pool
+    assert executor._pool is None
+    assert all(not p.is_alive() for p in pool.workers.values())
+
+
+def test_stale_bytes_from_an_earlier_run_do_not_verify(topos: Any) -> None:
+    topo = topos.switch(3)
+    planner = Planner(topo)
+    good = planner.plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], SIZE, algorithms=["direct"])
+    broken_hops = (good.hops[0], replace(good.hops[1], num_bytes=SIZE // 2))
+    broken = TransferPlan("direct", "n0.gpu0", good.dsts, SIZE, 0.0, broken_hops)
+    with CpuExecutor(topo) as executor:
+        assert executor.run(good).verified
+        # gpu2's buffer still holds every byte from the run before; the executor
+        # overwrites destinations before each run, so the gap is caught.
+        assert not executor.run(broken).verified
+        assert executor.run(good).verified
+
+
+def test_executor_recovers_after_a_failed_run(topos: Any) -> None:
+    topo = topos.switch(3)
+    plan = Planner(topo).plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], SIZE, algorithms=["chain"])
+    plan = replace(plan, hops=tuple(with_chunks(plan.hops, 4)), chunks=4)
+    with CpuExecutor(topo, crash_hop=1) as executor:
+        with pytest.raises(TransferFailed):
+            executor.run(plan, timeout_s=20)
+        executor.crash_hop = None
+        assert executor.run(plan, timeout_s=20).verified
+
+
+def test_round_barriers_and_many_hops_reuse_the_signal_bank(topos: Any) -> None:
+    topo = topos.switch(8)
+    planner = Planner(topo, max_chunks=4)
+    dsts = [f"n0.gpu{i}" for i in range(1, 8)]
+    with CpuExecutor(topo) as executor:
+        for algorithm in ("packed_trees", "binomial_tree", "chain", "packed_trees"):
+            plan = planner.plan("n0.gpu0", dsts, SIZE, algorithms=[algorithm])
+            result = executor.run(plan, timeout_s=60)
+            assert result.verified, algorithm
+            assert all(t > 0 for t in result.hop_finish_s)

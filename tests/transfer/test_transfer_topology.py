@@ -256,3 +256,24 @@ def test_cpu_cluster_preset_caps_concurrent_copies() -> None:
     assert two.predicted_s == pytest.approx(1.0)  # two copies, two cores
     remote = planner.plan("n0.gpu0", ["n1.gpu0"], 10**9, algorithms=["direct"])
     assert remote.predicted_s == pytest.approx(1.0, rel=1e-3)  # the LAN
+
+
+def test_cpu_cluster_memory_bandwidth_caps_concurrent_copies() -> None:
+    from transfer import Planner
+    from transfer.presets import build_cpu_cluster
+
+    # Two cores, but memory sustains only 1.5 copies' worth: two copies at once share it.
+    topo = build_cpu_cluster(1, 4, copy_Bps=4e9, cores=2, memory_Bps=6e9)
+    planner = Planner(topo, per_message_s=0.0)
+    one = planner.plan("n0.gpu0", ["n0.gpu1"], 4 * 10**9, algorithms=["direct"])
+    assert one.predicted_s == pytest.approx(1.0)  # alone, a copy runs at copy_Bps
+    two = planner.plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], 3 * 10**9, algorithms=["direct"])
+    assert two.predicted_s == pytest.approx(1.0)  # 6 GB at 6 GB/s, not 0.75 s
+    # Above cores x copy_Bps the cores are the limit.
+    roomy = build_cpu_cluster(1, 4, copy_Bps=4e9, cores=2, memory_Bps=1e12)
+    fan = Planner(roomy, per_message_s=0.0).plan(
+        "n0.gpu0", ["n0.gpu1", "n0.gpu2"], 4 * 10**9, algorithms=["direct"]
+    )
+    assert fan.predicted_s == pytest.approx(1.0)
+    with pytest.raises(TopologyError):
+        build_cpu_cluster(memory_Bps=0.0)
