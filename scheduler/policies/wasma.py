@@ -75,6 +75,9 @@ class Wasma(Policy):
         # A request that can no longer make its deadline is held while its best engine's
         # predicted slowdown exceeds this factor, and completed when load allows.
         "hopeless_slowdown": 2.0,
+        # Slowdown of an engine per busy neighbour on its host (engines computing on one
+        # host's CPU cores); None = the profile's measured `host_contention`.
+        "host_contention": None,
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -87,7 +90,14 @@ class Wasma(Policy):
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
         self._cp_cache: dict[str, tuple[dict[str, float], frozenset[str]]] = {}
         self._rotate = 0
-        self._kappa = prof.host_contention
+        kappa = self.p["host_contention"]
+        if kappa is not None and (
+            isinstance(kappa, bool) or not isinstance(kappa, int | float) or not kappa >= 0
+        ):
+            raise ValueError(
+                f"policy 'wasma': host_contention must be a number >= 0, got {kappa!r}"
+            )
+        self._kappa = prof.host_contention if kappa is None else float(kappa)
 
     def _busy_s(self, s: int) -> float:
         """How long engine `s` stays busy with the work already on it: its queued

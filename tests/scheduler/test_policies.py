@@ -436,6 +436,18 @@ def test_wasma_host_contention_slows_the_idle_neighbour() -> None:
     assert slowed == pytest.approx(plain * 1.5)
 
 
+def test_wasma_host_contention_param_overrides_the_profile() -> None:
+    ctx = make_ctx(n=2, params={"host_contention": 1.5}, hosts=["h", "h"])
+    router = Router(ctx, policy("wasma", ctx))
+    first, second = (
+        router.route(req(f"r{i}", list(range(i * 1000, i * 1000 + 30)), max_tokens=200), 0.0).engine
+        for i in range(2)
+    )
+    assert first == second
+    with pytest.raises(ValueError, match="host_contention must be a number >= 0"):
+        policy("wasma", make_ctx(params={"host_contention": -1}))
+
+
 def test_cluster_state_groups_engines_by_host() -> None:
     st = ClusterState(["a", "b", "c", "d"], hosts=["h1", "h1", "", "h2"])
     assert st.host_neighbours() == [[1], [0], [], []]
