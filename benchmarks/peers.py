@@ -484,7 +484,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--apps", type=_name_list, default=list(small_apps()))
     p.add_argument("--workflows", type=int, default=5, help="per app trace")
     p.add_argument("--rate", type=float, default=0.5, help="workflows/s at load x1")
-    p.add_argument("--rates", type=_float_list, default=[1.0, 2.0], help="load (rate) scales")
+    p.add_argument("--rates", type=_float_list, default=[0.5, 1.0, 2.0], help="load (rate) scales")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(
         "--routers",

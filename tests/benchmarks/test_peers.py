@@ -232,7 +232,7 @@ def test_sim_table_reports_gap_in_points() -> None:
 
 def test_parse_args_defaults_and_validation(tmp_path: Path) -> None:
     args = parse_args(["--out", str(tmp_path)])
-    assert args.engines == 2 and args.rates == [1.0, 2.0] and args.reps == 3
+    assert args.engines == 2 and args.rates == [0.5, 1.0, 2.0] and args.reps == 3
     assert args.apps == ["pipeline", "mapreduce", "debate"]
     with pytest.raises(SystemExit):
         parse_args(["--rates", "0"])
