@@ -101,7 +101,9 @@ class Wasma(Policy):
 
     def _busy_s(self, s: int) -> float:
         """How long engine `s` stays busy with the work already on it: its queued
-        prefill, then its requests decoding side by side at its current batch."""
+        prefill, then its requests decoding side by side at its current batch. The
+        router charges a request's whole output until it finishes (it does not follow
+        decode progress), so this is an upper bound."""
         load = self.ctx.state.loads[s]
         if load.outstanding <= 0:
             return 0.0
