@@ -381,9 +381,13 @@ def _wasma_diagnostics(url: str) -> dict[str, float]:
                 out[key] = out.get(key, 0.0) + s.value
     # The cost model's learned speed (deploy/router_service.py calibration), if any.
     try:
-        cal = httpx.get(url + "/health", timeout=10.0).json().get("calibration") or {}
+        health = httpx.get(url + "/health", timeout=10.0).json()
+        cal = health.get("calibration") or {}
     except (httpx.HTTPError, ValueError, AttributeError):
-        cal = {}
+        health, cal = {}, {}
+    # Requests its admission held at the router before they went to an engine.
+    if isinstance(health.get("held_total"), int | float):
+        out["held_total"] = float(health["held_total"])
     for key in (
         "prefill_scale",
         "decode_scale",
