@@ -183,23 +183,12 @@ def _parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def _check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], profile: Any) -> None:
     """Build each policy once with its parameters, so a bad one fails before any run."""
-    from scheduler.policy import PolicyContext
-    from scheduler.prefix_index import PrefixIndex
     from scheduler.registry import default_registry
-    from scheduler.state import ClusterState
-    from scheduler.workflows import WorkflowRegistry
 
     reg = default_registry()
     for pol in policies:
-        ctx = PolicyContext(
-            ClusterState(["e0"]),
-            PrefixIndex(["e0"]),
-            WorkflowRegistry(),
-            profile,
-            params=params.get(pol, {}),
-        )
         try:
-            reg.create(pol, ctx)
+            reg.check(pol, params.get(pol, {}), profile)
         except ValueError as exc:
             raise CLIError(f"--param: {exc}") from None
 

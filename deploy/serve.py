@@ -269,7 +269,12 @@ def serve_main(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"unknown policy {cfg.policy!r}; choose from: {', '.join(default_registry().names())}"
         )
-    resolve_profile(cfg)  # fail fast on a bad --profile
+    profile = resolve_profile(cfg)  # fail fast on a bad --profile
+    try:
+        # A bad policy parameter (--config params) fails here, not in the server's startup.
+        default_registry().check(cfg.policy, dict(cfg.params), profile)
+    except ValueError as exc:
+        raise ConfigError(f"--config params: {exc}") from None
     if spec.kind == "vllm" and not cfg.model:
         raise ConfigError("--engines vllm:N needs --model DIR (e.g. from `wasma tiny-model DIR`)")
     if cfg.model and not Path(cfg.model).is_dir():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from engines.sim.profile import Profile
 from scheduler.policies.baselines import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session
 from scheduler.policies.wasma import Wasma
 from scheduler.policy import Policy, PolicyContext
@@ -34,6 +36,18 @@ class PolicyRegistry:
                 f"unknown policy {name!r}; choose from: {', '.join(self._factories)}"
             )
         return factory(ctx)
+
+    def check(self, name: str, params: Mapping[str, Any], profile: Profile) -> None:
+        """Build policy `name` once with `params` on a one-engine cluster, so a bad name
+        or parameter fails (ValueError, naming it) before any run or server starts."""
+        from scheduler.prefix_index import PrefixIndex
+        from scheduler.state import ClusterState
+        from scheduler.workflows import WorkflowRegistry
+
+        ctx = PolicyContext(
+            ClusterState(["e0"]), PrefixIndex(["e0"]), WorkflowRegistry(), profile, params=params
+        )
+        self.create(name, ctx)
 
 
 def default_registry() -> PolicyRegistry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -361,3 +362,23 @@ def test_trace_gen_token_scale_fits_a_small_model(tmp_path: Path) -> None:
     assert main([*args, "--token-scale", "0.3"]) == 0
     wfs = load_trace(out)
     assert max(w.prompt_tokens(n) for w in wfs for n in w.nodes) <= 4096
+
+
+@pytest.mark.parametrize(
+    ("params", "pattern"),
+    [
+        ({"host_contention": -1}, "host_contention must be a number >= 0"),
+        ({"bogus": 1}, r"unknown parameter\(s\) \['bogus'\]"),
+    ],
+)
+def test_serve_bad_policy_parameter_fails_before_the_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], params: dict[str, object], pattern: str
+) -> None:
+    cfg = tmp_path / "serve.json"
+    cfg.write_text(json.dumps({"params": params}))
+    argv = ["serve", "--engines", "sim:1", "--router-in-process", "--config", str(cfg)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("wasma: error: --config params: policy 'wasma'")
+    assert len(err.splitlines()) == 1
+    assert re.search(pattern, err)
