@@ -33,16 +33,21 @@ async def _until(pred: Callable[[], bool], timeout: float = 20.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def test_held_requests_all_complete_even_if_the_policy_never_lets_go() -> None:
+def _holding_service(speed: float, recheck_s: float) -> RouterService:
+    """One simulated engine behind a router whose policy holds every request."""
     reg = PolicyRegistry()
     reg.register(_HoldsEverything.name, _HoldsEverything)
-    svc = RouterService(
-        [SimEngine("s0", PROFILE, speed=50.0)],
+    return RouterService(
+        [SimEngine("s0", PROFILE, speed=speed)],
         PROFILE,
         policy=_HoldsEverything.name,
         registry=reg,
-        held_recheck_s=0.02,
+        held_recheck_s=recheck_s,
     )
+
+
+async def test_held_requests_all_complete_even_if_the_policy_never_lets_go() -> None:
+    svc = _holding_service(speed=50.0, recheck_s=0.02)
     await svc.start()
     try:
         reqs = [ServiceRequest(f"r{i}", [7 + i] * 40, 8, WorkflowIdentity()) for i in range(5)]
@@ -97,15 +102,7 @@ async def test_a_hopeless_workflow_waits_for_a_quiet_engine_then_completes() -> 
 
 
 async def test_a_caller_leaving_while_held_leaves_nothing_behind() -> None:
-    reg = PolicyRegistry()
-    reg.register(_HoldsEverything.name, _HoldsEverything)
-    svc = RouterService(
-        [SimEngine("s0", PROFILE, speed=1.0)],
-        PROFILE,
-        policy=_HoldsEverything.name,
-        registry=reg,
-        held_recheck_s=0.01,
-    )
+    svc = _holding_service(speed=1.0, recheck_s=0.01)
     await svc.start()
     try:
         # The first runs (forced: the cluster is idle), slowly; the second waits behind it.
