@@ -276,7 +276,9 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         previous = None
     if previous is not None and previous.host_contention > 0:
         data["host_contention"] = previous.host_contention
-        kept = [s for s in previous.sources if s.startswith("host_contention measured")]
+        from benchmarks.host_contention import SOURCE_PREFIX
+
+        kept = [s for s in previous.sources if s.startswith(SOURCE_PREFIX)]
         sources = data["sources"]
         assert isinstance(sources, list)
         data["sources"] = [*sources, *kept]

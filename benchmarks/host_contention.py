@@ -40,7 +40,7 @@ from benchmarks.peers import EngineFleet
 from benchmarks.peers_procs import EngineOptions
 from engines.sim.profile import load_profile
 
-_SOURCE_PREFIX = "host_contention measured by benchmarks/host_contention.py"
+SOURCE_PREFIX = "host_contention measured by benchmarks/host_contention.py"
 
 
 async def closed_loop(
@@ -89,8 +89,8 @@ def write_contention(path: Path, value: float, note: str) -> None:
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     data = yaml.safe_load(text)
     data["host_contention"] = round(value, 3)
-    sources = [s for s in data.get("sources", []) if not str(s).startswith(_SOURCE_PREFIX)]
-    data["sources"] = [*sources, f"{_SOURCE_PREFIX}: {note}"]
+    sources = [s for s in data.get("sources", []) if not str(s).startswith(SOURCE_PREFIX)]
+    data["sources"] = [*sources, f"{SOURCE_PREFIX}: {note}"]
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))
     load_profile(str(path))  # refuse to leave an unloadable profile behind
 

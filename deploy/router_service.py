@@ -580,7 +580,8 @@ class RouterService:
         )
         live = _Live(req, placement.engine, info.workflow_id, info.node_id, now, info)
         if self.calibrator is not None:
-            load = self.ctx.state.loads[placement.engine]
+            loads = self.ctx.state.loads
+            load = loads[placement.engine]
             bs = self.block_size
             own_prefill = max(info.prompt_tokens - placement.hit_blocks * bs, 0)
             own_blocks = -(-(info.prompt_tokens + info.max_tokens) // bs)
@@ -589,7 +590,6 @@ class RouterService:
                 max(load.outstanding - 1, 0),
                 max(load.active_blocks - own_blocks, 0) * bs,
             )
-            loads = self.ctx.state.loads
             live.busy_neighbours = sum(
                 1
                 for j in self.ctx.state.host_neighbours()[placement.engine]

@@ -385,8 +385,12 @@ class ServerThread:
         port: int | None = None,
         loop: str = "asyncio",
         admin_port: int | None = None,
+        start_timeout_s: float = 60.0,
     ) -> None:
         self.host = host
+        # How long `start()` (and `with`) waits for the app's startup: engines launched
+        # in its lifespan can take minutes.
+        self.start_timeout_s = start_timeout_s
         # Bound now and handed to uvicorn, which would otherwise bind only after the
         # lifespan (engines starting for a minute): a port merely found free here could
         # be taken by then on a busy machine.
@@ -439,9 +443,9 @@ class ServerThread:
         except BaseException as exc:  # surfaced by start()
             self._error = exc
 
-    def start(self, timeout_s: float = 60.0) -> ServerThread:
+    def start(self, timeout_s: float | None = None) -> ServerThread:
         self._thread.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
         while not self.server.started:
             if self._error is not None or not self._thread.is_alive():
                 raise RuntimeError(f"gateway failed to start: {self._error!r}")

@@ -107,12 +107,7 @@ class Wasma(Policy):
         load = self.ctx.state.loads[s]
         if load.outstanding <= 0:
             return 0.0
-        st = self.ctx.profile.step
-        step = (
-            st.base_s
-            + st.per_decode_seq_s * load.outstanding
-            + st.per_decode_ctx_token_s * load.active_blocks * self._bs
-        )
+        step = self.ctx.profile.step.step_s(0, load.outstanding, load.active_blocks * self._bs, 0)
         steps = load.pending_decode_tokens / load.outstanding
         return load.pending_prefill_tokens * self._c_prefill + steps * step
 

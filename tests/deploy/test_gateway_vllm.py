@@ -48,12 +48,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
     tok = HFTokenizer(model)
     app = create_app(factory, tok, GatewayConfig(model_names=(MODEL, model)))
-    srv = ServerThread(app)
-    srv.start(timeout_s=300)
-    try:
+    with ServerThread(app, start_timeout_s=300) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -80,12 +80,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         return LocalRouterClient(service)
 
     app = create_app(factory, HFTokenizer(model), GatewayConfig(model_names=(MODEL, model)))
-    srv = ServerThread(app)
-    srv.start(timeout_s=300)
-    try:
+    with ServerThread(app, start_timeout_s=300) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -63,14 +63,17 @@ def test_tcp_everywhere_and_custom_payload(topos: Any) -> None:
     assert result.verified and result.backend == "cpu"
 
 
+def _half_delivered(topo: Any) -> tuple[TransferPlan, TransferPlan]:
+    """A direct plan to gpu1 and gpu2, and the same plan forgetting the second half of
+    gpu2's bytes: it still runs, but gpu2 does not end up holding the source's bytes."""
+    good = Planner(topo).plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], SIZE, algorithms=["direct"])
+    broken_hops = (good.hops[0], replace(good.hops[1], num_bytes=SIZE // 2))
+    return good, TransferPlan("direct", "n0.gpu0", good.dsts, SIZE, 0.0, broken_hops)
+
+
 def test_verification_catches_wrong_bytes(topos: Any) -> None:
     topo = topos.switch(3)
-    planner = Planner(topo)
-    good = planner.plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], SIZE, algorithms=["direct"])
-    # A plan that forgets the second half for one destination still runs, but the
-    # executor reports that gpu2 does not hold the source's bytes.
-    broken_hops = (good.hops[0], replace(good.hops[1], num_bytes=SIZE // 2))
-    broken = TransferPlan("direct", "n0.gpu0", good.dsts, SIZE, 0.0, broken_hops)
+    _good, broken = _half_delivered(topo)
     assert not CpuExecutor(topo).run(broken).verified
 
 
@@ -130,10 +133,7 @@ def test_workers_and_buffers_are_reused_across_runs(topos: Any) -> None:
 
 def test_stale_bytes_from_an_earlier_run_do_not_verify(topos: Any) -> None:
     topo = topos.switch(3)
-    planner = Planner(topo)
-    good = planner.plan("n0.gpu0", ["n0.gpu1", "n0.gpu2"], SIZE, algorithms=["direct"])
-    broken_hops = (good.hops[0], replace(good.hops[1], num_bytes=SIZE // 2))
-    broken = TransferPlan("direct", "n0.gpu0", good.dsts, SIZE, 0.0, broken_hops)
+    good, broken = _half_delivered(topo)
     with CpuExecutor(topo) as executor:
         assert executor.run(good).verified
         # gpu2's buffer still holds every byte from the run before; the executor
