@@ -55,7 +55,14 @@ from benchmarks.peers_procs import (
     wait_http_ready,
     wasma_config_text,
 )
-from benchmarks.peers_report import aggregate, markdown_table, plot, prefix_counter_delta, sim_table
+from benchmarks.peers_report import (
+    aggregate,
+    markdown_table,
+    plot,
+    prefix_counter_delta,
+    sim_table,
+    targets_table,
+)
 from benchmarks.peers_traces import TextReplayer, generate_small, small_apps
 from benchmarks.replay import Replayer, summarize_replay
 from deploy.vllm_metrics import parse_vllm_metrics
@@ -439,6 +446,19 @@ def sim_baselines(
     return out
 
 
+def _load_results(out: Path) -> dict[str, Any]:
+    path = out / "results.json"
+    try:
+        saved: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: not found (run the benchmark first)") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(saved.get("runs"), list):
+        raise SystemExit(f"{path}: no 'runs' list")
+    return saved
+
+
 def _write(out: Path, payload: dict[str, Any]) -> None:
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
@@ -518,7 +538,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="rebuild table.md and peers.png from OUT/results.json without running",
     )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="with --report-only: pool the runs of these earlier outputs' results.json "
+        "into the tables (repeated full runs, or extra loads run separately)",
+    )
     args = p.parse_args(argv)
+    if args.pool and not args.report_only:
+        p.error("--pool only applies with --report-only")
     if args.engines < 1 or args.workflows < 1 or args.reps < 1 or not args.rate > 0:
         p.error("--engines, --workflows, --reps and --rate must be positive")
     return args
@@ -541,9 +571,13 @@ def _on_term(signum: int, frame: FrameType | None) -> None:
 
 
 def report(out: Path, rows: list[dict[str, Any]], sims: list[dict[str, Any]]) -> tuple[str, str]:
-    """Fold the runs into the summary; write table.md and peers.png; return the tables."""
+    """Fold the runs into the summary; write table.md and peers.png; return the tables
+    (the runs' table followed by wasma against the targets, and the simulated baselines)."""
     agg = aggregate([r for r in rows if "error" not in r])
     table = markdown_table(agg)
+    targets = targets_table(agg)
+    if targets.count("\n") > 1:
+        table += "\n\nwasma against the best peer at each load:\n\n" + targets
     stable = sim_table(sims, agg) if sims else ""
     (out / "table.md").write_text(table + "\n\n" + stable + "\n")
     if agg:
@@ -556,10 +590,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        saved = json.loads((out / "results.json").read_text())
+        saved = _load_results(out)
+        for extra in args.pool:
+            more = _load_results(Path(extra))
+            saved["runs"] = saved["runs"] + more["runs"]
+            saved["sim_baselines"] = saved.get("sim_baselines", []) + [
+                s for s in more.get("sim_baselines", []) if s not in saved.get("sim_baselines", [])
+            ]
         saved["summary"] = aggregate([r for r in saved["runs"] if "error" not in r])
         table, stable = report(out, saved["runs"], saved.get("sim_baselines", []))
-        _write(out, saved)
+        if args.pool:
+            # OUT/results.json keeps this output's own runs; the pooled set goes beside it.
+            saved["meta"] = {**saved.get("meta", {}), "pooled_from": [str(out), *args.pool]}
+            (out / "results_pooled.json").write_text(json.dumps(saved, indent=2) + "\n")
+        else:
+            _write(out, saved)
         print(table + "\n\n" + stable)
         return 0
     routers = _select_routers(args.routers)

@@ -19,6 +19,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("p95_workflow_s", "P95 wf s", "{:.2f}"),
     ("engine_prefix_hit_ratio", "prefix hits (vLLM)", "{:.2f}"),
 )
+# Folded like METRICS but not a column of the main table: the targets table reads them.
+EXTRA_METRICS: tuple[str, ...] = ("duration_s",)
 
 
 def prefix_counter_delta(
@@ -49,7 +51,7 @@ def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (router, app, rate), rs in groups.items():
         entry: dict[str, Any] = {"router": router, "app": app, "rate_scale": rate, "runs": len(rs)}
-        for key, _, _ in METRICS:
+        for key in (*(k for k, _, _ in METRICS), *EXTRA_METRICS):
             entry[key] = spread(r.get(key) for r in rs)
         entry["failed_requests"] = sum(int(r.get("failed_requests", 0)) for r in rs)
         out.append(entry)
@@ -72,6 +74,83 @@ def markdown_table(agg: Sequence[Mapping[str, Any]]) -> str:
         cells += [_cell(e[key], fmt) for key, _, fmt in METRICS]
         cells += [str(e["runs"]), str(e["failed_requests"])]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _median(e: Mapping[str, Any], key: str) -> float | None:
+    s = e.get(key)
+    return None if s is None else float(s["median"])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def targets_table(agg: Sequence[Mapping[str, Any]], subject: str = "wasma") -> str:
+    """`subject` against the peers (every router not named wasma...) at each app and load.
+
+    "Best peer" has the highest median goodput; P95 is against the lowest peer P95.
+    Goodput is workflows that met their deadline over the run's duration (first arrival
+    to last finish), so the goodput ratio splits into an attainment factor (subject's
+    attainment over the best peer's, at most 1 / the peer's attainment) and a duration
+    factor (the peer's duration over the subject's: who finished the same arrivals
+    sooner). The two are ratios of medians, so their product is close to, not equal to,
+    the ratio of median goodputs."""
+    head = [
+        "app",
+        "load",
+        "best peer (goodput)",
+        "its attainment",
+        f"{subject} goodput / best peer",
+        "= attainment factor",
+        "x duration factor",
+        f"{subject} P95 / lowest peer P95",
+        "runs",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
+    for e in agg:
+        cells.setdefault((e["app"], e["rate_scale"]), []).append(e)
+
+    def fmt(x: float | None, f: str = "{:.2f}x") -> str:
+        return "n/a" if x is None else f.format(x)
+
+    for (app, rate), es in sorted(cells.items()):
+        mine = next((e for e in es if e["router"] == subject), None)
+        peers = [e for e in es if not e["router"].startswith("wasma")]
+        peers = [e for e in peers if _median(e, "goodput_wf_per_s") is not None]
+        if mine is None or not peers:
+            continue
+        best = max(peers, key=lambda e: _median(e, "goodput_wf_per_s") or 0.0)
+        with_p95 = [e for e in peers if _median(e, "p95_workflow_s") is not None]
+        fastest = min(with_p95, key=lambda e: _median(e, "p95_workflow_s") or 0.0, default=None)
+        att_peer = _median(best, "deadline_attainment")
+        p95 = "n/a"
+        if fastest is not None:
+            ratio = _ratio(_median(mine, "p95_workflow_s"), _median(fastest, "p95_workflow_s"))
+            p95 = (
+                f"{fmt(ratio)} ({fastest['router']} {_median(fastest, 'p95_workflow_s'):.2f} s; "
+                f"{subject} {fmt(_median(mine, 'p95_workflow_s'), '{:.2f} s')})"
+            )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    app,
+                    f"x{rate:g}",
+                    f"{best['router']} {_median(best, 'goodput_wf_per_s'):.3f}",
+                    fmt(att_peer, "{:.2f}"),
+                    fmt(
+                        _ratio(_median(mine, "goodput_wf_per_s"), _median(best, "goodput_wf_per_s"))
+                    ),
+                    fmt(_ratio(_median(mine, "deadline_attainment"), att_peer)),
+                    fmt(_ratio(_median(best, "duration_s"), _median(mine, "duration_s"))),
+                    p95,
+                    str(min(mine["runs"], best["runs"])),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 

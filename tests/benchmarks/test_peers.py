@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import SIM_MODELS, estimate_s, parse_args, plan_runs
+from benchmarks.peers import SIM_MODELS, estimate_s, main, parse_args, plan_runs
 from benchmarks.peers_procs import (
     EngineEndpoint,
     EngineOptions,
@@ -27,6 +27,7 @@ from benchmarks.peers_report import (
     prefix_counter_delta,
     sim_table,
     spread,
+    targets_table,
 )
 from benchmarks.peers_traces import generate_small, small_apps
 from engines.sim.profile import load_profile
@@ -212,6 +213,70 @@ def test_aggregate_groups_repeats_and_keeps_order() -> None:
     table = markdown_table(agg)
     assert "| debate | x1 | wasma | 0.200 (0.100..0.300) |" in table
     assert len(table.splitlines()) == 2 + 3
+
+
+def _run(router: str, rate: float, goodput: float, att: float, p95: float, dur: float) -> dict:
+    return {
+        "router": router,
+        "app": "mapreduce",
+        "rate_scale": rate,
+        "goodput_wf_per_s": goodput,
+        "deadline_attainment": att,
+        "p95_workflow_s": p95,
+        "duration_s": dur,
+        "engine_prefix_hit_ratio": 0.7,
+    }
+
+
+def test_targets_table_splits_goodput_into_attainment_and_duration() -> None:
+    agg = aggregate(
+        [
+            # 5 workflows a run: goodput = attainment * 5 / duration.
+            _run("sglang-router cache_aware", 1.0, 0.9 * 5 / 6.0, 0.9, 1.6, 6.0),
+            _run("vllm-router kv_aware", 1.0, 0.8 * 5 / 6.4, 0.8, 1.4, 6.4),
+            _run("wasma least_loaded", 1.0, 5 / 4.0, 1.0, 0.5, 4.0),  # not a peer
+            _run("wasma", 1.0, 1.0 * 5 / 5.0, 1.0, 1.12, 5.0),
+            _run("sglang-router cache_aware", 2.0, 0.5, 0.6, 2.0, 6.0),  # no wasma here
+        ]
+    )
+    lines = targets_table(agg).splitlines()
+    assert len(lines) == 3  # header, rule, the one load with both
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == ["mapreduce", "x1", "sglang-router cache_aware 0.750"]
+    assert cells[3] == "0.90"
+    # 1.000 / 0.750 = 1.33 = (1.0 / 0.9 = 1.11) x (6.0 / 5.0 = 1.20)
+    assert cells[4:7] == ["1.33x", "1.11x", "1.20x"]
+    # P95 against the lowest peer P95 (vllm-router's 1.4 s), not the best peer's.
+    assert cells[7].startswith("0.80x (vllm-router kv_aware 1.40 s; wasma 1.12 s)")
+    assert cells[8] == "1"
+
+
+def test_report_only_pools_earlier_outputs(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, rows in (
+        (
+            a,
+            [
+                _run("wasma", 1.0, 1.0, 1.0, 1.0, 5.0),
+                _run("sglang-router cache_aware", 1.0, 0.5, 0.5, 2.0, 5.0),
+            ],
+        ),
+        (b, [_run("wasma", 1.0, 0.8, 0.8, 1.2, 5.0)]),
+    ):
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"runs": rows, "sim_baselines": []}))
+    assert main(["--out", str(a), "--report-only", "--pool", str(b)]) == 0
+    pooled = json.loads((a / "results_pooled.json").read_text())
+    assert len(pooled["runs"]) == 3
+    wasma = next(e for e in pooled["summary"] if e["router"] == "wasma")
+    assert wasma["runs"] == 2
+    # The output's own results stay its own.
+    assert len(json.loads((a / "results.json").read_text())["runs"]) == 2
+    assert "| mapreduce | x1 | wasma | 0.900 (0.800..1.000) |" in (a / "table.md").read_text()
+    with pytest.raises(SystemExit, match="not found"):
+        main(["--out", str(a), "--report-only", "--pool", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):
+        parse_args(["--pool", str(b)])  # only with --report-only
 
 
 def test_sim_table_reports_gap_in_points() -> None:
