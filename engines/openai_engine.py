@@ -241,12 +241,32 @@ class OpenAIEngine(EngineClient):
     # -- load ------------------------------------------------------------------------
     async def _scrape(self) -> None:
         try:
+            text = await self._metrics_page()
+            self._last = parse_vllm_metrics(wanted_metric_lines(text, self._metric_prefixes))
+            self._last_ok = time.monotonic()
+        except (httpx.HTTPError, ValueError, RemoteEngineError) as exc:
+            log.debug("engine %s: /metrics scrape failed: %s", self.name, exc)
+
+    async def _metrics_page(self) -> str:
+        """The server's /metrics text. Over aiohttp when the token streams use it: httpx
+        parses the ~100 kB page in pure Python and closes its pooled connection through
+        a cancellation shield each time, a quarter of the gateway's CPU under load."""
+        if self._aio is None:
             resp = await self._http.get("/metrics", timeout=5.0)
             resp.raise_for_status()
-            self._last = parse_vllm_metrics(wanted_metric_lines(resp.text, self._metric_prefixes))
-            self._last_ok = time.monotonic()
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("engine %s: /metrics scrape failed: %s", self.name, exc)
+            return resp.text
+        import aiohttp
+
+        try:
+            async with self._aio.get(
+                self.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as resp:
+                text: str = await resp.text(errors="replace")
+                if resp.status >= 400:
+                    raise RemoteEngineError(f"{self.name}: /metrics: HTTP {resp.status}")
+                return text
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RemoteEngineError(f"{self.name}: /metrics: {type(exc).__name__}: {exc}") from exc
 
     async def _scrape_loop(self) -> None:
         while True:

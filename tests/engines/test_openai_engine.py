@@ -284,3 +284,42 @@ def test_servers_on_one_machine_share_its_host() -> None:
     assert same == {"localhost"}
     assert url_host("http://GPU-node-3:8000/v1") == "gpu-node-3"
     assert OpenAIEngine("e", "http://127.0.0.1:1").shared_host == "localhost"
+
+
+async def test_scrapes_metrics_over_aiohttp_and_survives_a_failing_page() -> None:
+    """With no injected transport the engine reads /metrics over its aiohttp session
+    (as in production); a failing page keeps the last good reading, and no error
+    escapes the scrape."""
+    from aiohttp import web
+
+    status = {"code": 200}
+    agents: list[str] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        agents.append(request.headers.get("user-agent", ""))
+        if status["code"] != 200:
+            return web.Response(status=status["code"], text="boom")
+        return web.Response(text=METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    engine = OpenAIEngine("real", f"http://127.0.0.1:{port}", model="m", scrape_interval_s=60)
+    try:
+        await engine.start()
+        assert agents and all("aiohttp" in a for a in agents)  # not httpx's pure-Python parser
+        assert engine.block_size == BS and engine.num_kv_blocks == 2048
+        stats = await engine.stats()
+        assert (stats.num_running, stats.num_waiting) == (3, 2)
+        status["code"] = 500
+        await engine._scrape()
+        assert (await engine.stats()).num_running == 3  # the last good reading stays
+    finally:
+        await engine.close()
+        await runner.cleanup()
