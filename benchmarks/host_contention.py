@@ -44,9 +44,17 @@ SOURCE_PREFIX = "host_contention measured by benchmarks/host_contention.py"
 
 
 async def closed_loop(
-    url: str, model: str, clients: int, seconds: float, prompt: int, output: int, seed: int
+    url: str,
+    model: str,
+    clients: int,
+    seconds: float,
+    prompt: int,
+    output: int,
+    seed: int,
+    vocab: int = 2000,
 ) -> list[float]:
-    """`clients` requests in flight on one engine for `seconds`; each request's latency."""
+    """`clients` requests in flight on one engine for `seconds`; each request's latency.
+    Prompts are fresh random token ids below `vocab`, so nothing hits the prefix cache."""
     rng = random.Random(seed)
     latencies: list[float] = []
     stop = time.monotonic() + seconds
@@ -55,7 +63,7 @@ async def closed_loop(
         while time.monotonic() < stop:
             body = {
                 "model": model,
-                "prompt": [rng.randrange(16, 2000) for _ in range(prompt)],
+                "prompt": [rng.randrange(16, vocab) for _ in range(prompt)],
                 "max_tokens": output,
                 "ignore_eos": True,
                 # Streamed, as agents and the router consume it: the API server's work

@@ -27,10 +27,11 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -446,6 +447,36 @@ def sim_baselines(
     return out
 
 
+# The speed probe's request: long enough that prefill and decode both count.
+PROBE_PROMPT, PROBE_OUTPUT = 512, 32
+
+
+def engine_speed(
+    url: str, model: str, profile: Profile, seconds: float = 5.0, vocab: int = 2048
+) -> dict[str, float]:
+    """How fast the engines run today: streamed requests one at a time on one idle engine
+    (fresh prompts, no cache hits), against what the profile predicts for them.
+
+    Loads and deadlines are fixed in the traces, but on a shared machine the engines'
+    speed moves by 2x from one day to the next, and with it where every router's 90%
+    point falls; this reading is what lets runs from different days be compared."""
+    from benchmarks.host_contention import closed_loop  # it imports this module
+
+    lat = asyncio.run(
+        closed_loop(url, model, 1, seconds, PROBE_PROMPT, PROBE_OUTPUT, seed=7, vocab=vocab)
+    )
+    if not lat:
+        raise RuntimeError(f"speed probe: no request finished on {url} in {seconds:.0f} s")
+    measured = statistics.median(lat)
+    predicted = profile.request_alone_s(PROBE_PROMPT, PROBE_OUTPUT)
+    return {
+        "requests": len(lat),
+        "median_s": round(measured, 4),
+        "profile_s": round(predicted, 4),
+        "slowdown": round(measured / predicted, 2),
+    }
+
+
 def _load_results(out: Path) -> dict[str, Any]:
     path = out / "results.json"
     try:
@@ -570,11 +601,23 @@ def _on_term(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def report(out: Path, rows: list[dict[str, Any]], sims: list[dict[str, Any]]) -> tuple[str, str]:
+def report(
+    out: Path,
+    rows: list[dict[str, Any]],
+    sims: list[dict[str, Any]],
+    speeds: Sequence[Mapping[str, Any]] = (),
+) -> tuple[str, str]:
     """Fold the runs into the summary; write table.md and peers.png; return the tables
-    (the runs' table followed by wasma against the targets, and the simulated baselines)."""
+    (the engines' measured speed, the runs' table followed by wasma against the targets,
+    and the simulated baselines)."""
     agg = aggregate([r for r in rows if "error" not in r])
     table = markdown_table(agg)
+    if speeds:
+        ms = ", ".join(f"{s['median_s'] * 1e3:.0f} ms ({s['slowdown']:.2f}x)" for s in speeds)
+        table = (
+            f"Engine speed, a {PROBE_PROMPT}+{PROBE_OUTPUT}-token request alone (x the "
+            f"profile's prediction): {ms}\n\n" + table
+        )
     targets = targets_table(agg)
     if targets.count("\n") > 1:
         table += "\n\nwasma against the best peer at each load:\n\n" + targets
@@ -591,14 +634,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         saved = _load_results(out)
+        speeds = [saved.get("meta", {}).get("engine_speed")]
         for extra in args.pool:
             more = _load_results(Path(extra))
+            speeds.append(more.get("meta", {}).get("engine_speed"))
             saved["runs"] = saved["runs"] + more["runs"]
             saved["sim_baselines"] = saved.get("sim_baselines", []) + [
                 s for s in more.get("sim_baselines", []) if s not in saved.get("sim_baselines", [])
             ]
         saved["summary"] = aggregate([r for r in saved["runs"] if "error" not in r])
-        table, stable = report(out, saved["runs"], saved.get("sim_baselines", []))
+        table, stable = report(
+            out, saved["runs"], saved.get("sim_baselines", []), [x for x in speeds if x]
+        )
         if args.pool:
             # OUT/results.json keeps this output's own runs; the pooled set goes beside it.
             saved["meta"] = {**saved.get("meta", {}), "pooled_from": [str(out), *args.pool]}
@@ -664,6 +711,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("starting engines ...", flush=True)
         meta["engine_start_s"] = round(fleet.start(), 1)
         fleet.warm_up(vocab=args.vocab_size)
+        speed = engine_speed(fleet.urls[0], opts.model, profile, vocab=args.vocab_size)
+        meta["engine_speed"] = speed
+        print(
+            f"engine speed: a {PROBE_PROMPT}+{PROBE_OUTPUT}-token request alone takes "
+            f"{speed['median_s'] * 1e3:.0f} ms (median of {speed['requests']}); the "
+            f"{profile.name} profile says {speed['profile_s'] * 1e3:.0f} ms "
+            f"({speed['slowdown']:.2f}x)",
+            flush=True,
+        )
         bench = Bench(args, out, traces, fleet, bin_dir, python, source)
         from tqdm import tqdm
 
@@ -704,7 +760,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
     meta["engine_restarts"] = fleet.restarts
     ok = [r for r in rows if "error" not in r]
-    table, stable = report(out, rows, sims)
+    speeds = [meta["engine_speed"]] if "engine_speed" in meta else []
+    table, stable = report(out, rows, sims, speeds)
     _write(out, {"runs": rows, "summary": aggregate(ok), "sim_baselines": sims, "meta": meta})
     print(table)
     if stable:

@@ -264,7 +264,11 @@ def test_report_only_pools_earlier_outputs(tmp_path: Path) -> None:
         (b, [_run("wasma", 1.0, 0.8, 0.8, 1.2, 5.0)]),
     ):
         d.mkdir()
-        (d / "results.json").write_text(json.dumps({"runs": rows, "sim_baselines": []}))
+        speed = {"requests": 9, "median_s": 0.239, "profile_s": 0.128, "slowdown": 1.87}
+        meta = {"engine_speed": speed} if d == a else {}
+        (d / "results.json").write_text(
+            json.dumps({"runs": rows, "sim_baselines": [], "meta": meta})
+        )
     assert main(["--out", str(a), "--report-only", "--pool", str(b)]) == 0
     pooled = json.loads((a / "results_pooled.json").read_text())
     assert len(pooled["runs"]) == 3
@@ -272,7 +276,10 @@ def test_report_only_pools_earlier_outputs(tmp_path: Path) -> None:
     assert wasma["runs"] == 2
     # The output's own results stay its own.
     assert len(json.loads((a / "results.json").read_text())["runs"]) == 2
-    assert "| mapreduce | x1 | wasma | 0.900 (0.800..1.000) |" in (a / "table.md").read_text()
+    table = (a / "table.md").read_text()
+    assert "| mapreduce | x1 | wasma | 0.900 (0.800..1.000) |" in table
+    assert table.startswith("Engine speed, a 512+32-token request alone")
+    assert "239 ms (1.87x)" in table.splitlines()[0]
     with pytest.raises(SystemExit, match="not found"):
         main(["--out", str(a), "--report-only", "--pool", str(tmp_path / "missing")])
     with pytest.raises(SystemExit):

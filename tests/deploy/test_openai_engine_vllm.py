@@ -129,3 +129,19 @@ async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
         assert snap["prefill_scale"] > 0 and snap["decode_scale"] > 0
     finally:
         await svc.close()
+
+
+def test_peers_speed_probe_times_requests_alone(vllm_url: str) -> None:
+    import httpx
+
+    from benchmarks.peers import PROBE_OUTPUT, PROBE_PROMPT, engine_speed
+    from engines.sim.profile import load_profile
+
+    model = httpx.get(vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    prof = load_profile("tiny-cpu")
+    speed = engine_speed(vllm_url, model, prof, seconds=2.0)
+    assert speed["requests"] >= 1 and speed["median_s"] > 0
+    assert speed["profile_s"] == round(prof.request_alone_s(PROBE_PROMPT, PROBE_OUTPUT), 4)
+    assert speed["slowdown"] == pytest.approx(speed["median_s"] / speed["profile_s"], rel=0.02)
+    with pytest.raises(RuntimeError, match="no request finished"):
+        engine_speed(vllm_url, model, prof, seconds=0.0)
