@@ -14,6 +14,10 @@ goes through every router) so the noise of a shared machine spreads over all of 
 The simulator's `prefix_aware` and `kv_aware` run on the same traces with the `tiny-cpu`
 profile, for the faithfulness check of their prefix hit ratios.
 
+Before the runs, one request at a time on an idle engine measures how fast the engines are
+today against the profile; deadlines (slack x each workflow's critical path alone) are
+scaled by that reading, so they mean the same on a slow day as on a fast one.
+
 Writes OUT/results.json (every run, the min/median/max summary, the simulated baselines),
 OUT/table.md and OUT/peers.png; logs of every process under OUT/logs.
 """
@@ -447,6 +451,20 @@ def sim_baselines(
     return out
 
 
+def _make_traces(
+    args: argparse.Namespace, profile: Profile, out: Path, deadline_scale: float
+) -> dict[str, list[Workflow]]:
+    """Each app's trace, written to OUT/traces; deadlines = slack x deadline_scale x
+    (critical path alone under the profile + hop_s a hop)."""
+    traces: dict[str, list[Workflow]] = {}
+    slack = args.slack * deadline_scale
+    for app in args.apps:
+        wfs = generate_small(app, args.workflows, args.rate, args.seed, profile, slack, args.hop_s)
+        traces[app] = wfs
+        write_trace(out / "traces" / f"{app}.jsonl", wfs)
+    return traces
+
+
 # The speed probe's request: long enough that prefill and decode both count.
 PROBE_PROMPT, PROBE_OUTPUT = 512, 32
 
@@ -547,7 +565,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="subset of: " + ", ".join(r.name for r in default_routers() + diagnostic_routers()),
     )
-    p.add_argument("--slack", type=float, default=3.0, help="deadline factor")
+    p.add_argument(
+        "--slack",
+        type=float,
+        default=2.0,
+        help="deadline = slack x (the workflow's critical path alone + --hop-s a hop), "
+        "at the engines' measured speed (see --deadline-scale)",
+    )
+    p.add_argument(
+        "--deadline-scale",
+        default="auto",
+        help="'auto': scale the profile's critical path by the engines' speed measured "
+        "before the runs (a shared machine's speed moves by 2x from day to day, which "
+        "otherwise makes fixed deadlines loose one day and unreachable the next); or a "
+        "fixed factor (1 = the profile as it is)",
+    )
     p.add_argument("--hop-s", type=float, default=0.05, help="deadline allowance per node hop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="tiny model dir (default: OUT/model)")
@@ -580,6 +612,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.pool and not args.report_only:
         p.error("--pool only applies with --report-only")
+    if args.deadline_scale != "auto":
+        try:
+            args.deadline_scale = float(args.deadline_scale)
+        except ValueError:
+            p.error(f"--deadline-scale must be 'auto' or a number, got {args.deadline_scale!r}")
+        if not args.deadline_scale > 0:
+            p.error("--deadline-scale must be positive")
+    if not args.slack > 0:
+        p.error("--slack must be positive")
     if args.engines < 1 or args.workflows < 1 or args.reps < 1 or not args.rate > 0:
         p.error("--engines, --workflows, --reps and --rate must be positive")
     return args
@@ -656,13 +697,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     routers = _select_routers(args.routers)
     profile = load_profile(args.profile)
-    traces: dict[str, list[Workflow]] = {}
-    for app in args.apps:
-        wfs = generate_small(
-            app, args.workflows, args.rate, args.seed, profile, args.slack, args.hop_s
-        )
-        traces[app] = wfs
-        write_trace(out / "traces" / f"{app}.jsonl", wfs)
+    scale = 1.0 if args.deadline_scale == "auto" else float(args.deadline_scale)
+    traces = _make_traces(args, profile, out, scale)
     if args.wasma_baseline:
         # The twins' source is frozen later; their place in the plan is known now.
         routers = with_baseline(routers, args.wasma_baseline)
@@ -676,9 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     sims: list[dict[str, Any]] = []
-    if not args.no_sim:
-        sims = sim_baselines(traces, args.rates, args.engines, profile)
     if args.dry_run:
+        if not args.no_sim:
+            sims = sim_baselines(traces, args.rates, args.engines, profile)
         return 0
 
     model = args.model
@@ -720,6 +756,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({speed['slowdown']:.2f}x)",
             flush=True,
         )
+        if args.deadline_scale == "auto":
+            # Same arrivals and prompts (same seed); only the deadlines change.
+            scale = float(speed["slowdown"])
+            traces = _make_traces(args, profile, out, scale)
+        meta["deadline_scale"] = scale
+        print(f"deadlines: {args.slack:g} x critical path alone x {scale:.2f}", flush=True)
+        if not args.no_sim:
+            sims = sim_baselines(traces, args.rates, args.engines, profile)
         bench = Bench(args, out, traces, fleet, bin_dir, python, source)
         from tqdm import tqdm
 

@@ -306,6 +306,11 @@ def test_parse_args_defaults_and_validation(tmp_path: Path) -> None:
     args = parse_args(["--out", str(tmp_path)])
     assert args.engines == 2 and args.rates == [0.5, 1.0, 2.0] and args.reps == 3
     assert args.apps == ["pipeline", "mapreduce", "debate"]
+    assert args.slack == 2.0 and args.deadline_scale == "auto"
+    assert parse_args(["--deadline-scale", "1.5"]).deadline_scale == 1.5
+    for bad in (["--deadline-scale", "fast"], ["--deadline-scale", "0"], ["--slack", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
     with pytest.raises(SystemExit):
         parse_args(["--rates", "0"])
     with pytest.raises(SystemExit):
