@@ -249,8 +249,9 @@ class OpenAIEngine(EngineClient):
 
     async def _metrics_page(self) -> str:
         """The server's /metrics text. Over aiohttp when the token streams use it: httpx
-        parses the ~100 kB page in pure Python and closes its pooled connection through
-        a cancellation shield each time, a quarter of the gateway's CPU under load."""
+        reads the whole page in pure Python and closes its pooled connection through a
+        cancellation shield each time, about a quarter of the gateway's GIL-holding
+        samples (py-spy) during a peers run."""
         if self._aio is None:
             resp = await self._http.get("/metrics", timeout=5.0)
             resp.raise_for_status()
