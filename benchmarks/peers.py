@@ -14,9 +14,11 @@ goes through every router) so the noise of a shared machine spreads over all of 
 The simulator's `prefix_aware` and `kv_aware` run on the same traces with the `tiny-cpu`
 profile, for the faithfulness check of their prefix hit ratios.
 
-Before the runs, one request at a time on an idle engine measures how fast the engines are
-today against the profile; deadlines (slack x each workflow's critical path alone) are
-scaled by that reading, so they mean the same on a slow day as on a fast one.
+Before the runs, and again before every (repetition, app, load) cell, requests sent one
+at a time to an idle engine measure how fast the engines are right then against the
+profile; deadlines (slack x each workflow's critical path alone) are scaled by that
+reading, so they mean the same on a slow day as on a fast one, and every router in a
+cell is held to the same ones.
 
 Writes OUT/results.json (every run, the min/median/max summary, the simulated baselines),
 OUT/table.md and OUT/peers.png; logs of every process under OUT/logs.
@@ -495,6 +497,15 @@ def engine_speed(
     }
 
 
+def _speed_readings(saved: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every speed probe reading of one output (older outputs have the first only)."""
+    meta = saved.get("meta") or {}
+    readings = meta.get("engine_speeds")
+    if readings is None:
+        readings = [meta["engine_speed"]] if meta.get("engine_speed") else []
+    return [dict(r) for r in readings if r]
+
+
 def _load_results(out: Path) -> dict[str, Any]:
     path = out / "results.json"
     try:
@@ -654,10 +665,17 @@ def report(
     agg = aggregate([r for r in rows if "error" not in r])
     table = markdown_table(agg)
     if speeds:
-        ms = ", ".join(f"{s['median_s'] * 1e3:.0f} ms ({s['slowdown']:.2f}x)" for s in speeds)
+        lat = sorted(float(s["median_s"]) * 1e3 for s in speeds)
+        slow = sorted(float(s["slowdown"]) for s in speeds)
+        span = (
+            f"{lat[0]:.0f} ms ({slow[0]:.2f}x)"
+            if len(speeds) == 1
+            else f"{lat[0]:.0f}-{lat[-1]:.0f} ms ({slow[0]:.2f}-{slow[-1]:.2f}x), "
+            f"{len(speeds)} readings"
+        )
         table = (
             f"Engine speed, a {PROBE_PROMPT}+{PROBE_OUTPUT}-token request alone (x the "
-            f"profile's prediction): {ms}\n\n" + table
+            f"profile's prediction): {span}\n\n" + table
         )
     targets = targets_table(agg)
     if targets.count("\n") > 1:
@@ -675,18 +693,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         saved = _load_results(out)
-        speeds = [saved.get("meta", {}).get("engine_speed")]
+        speeds = _speed_readings(saved)
         for extra in args.pool:
             more = _load_results(Path(extra))
-            speeds.append(more.get("meta", {}).get("engine_speed"))
+            speeds += _speed_readings(more)
             saved["runs"] = saved["runs"] + more["runs"]
             saved["sim_baselines"] = saved.get("sim_baselines", []) + [
                 s for s in more.get("sim_baselines", []) if s not in saved.get("sim_baselines", [])
             ]
         saved["summary"] = aggregate([r for r in saved["runs"] if "error" not in r])
-        table, stable = report(
-            out, saved["runs"], saved.get("sim_baselines", []), [x for x in speeds if x]
-        )
+        table, stable = report(out, saved["runs"], saved.get("sim_baselines", []), speeds)
         if args.pool:
             # OUT/results.json keeps this output's own runs; the pooled set goes beside it.
             saved["meta"] = {**saved.get("meta", {}), "pooled_from": [str(out), *args.pool]}
@@ -761,6 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scale = float(speed["slowdown"])
             traces = _make_traces(args, profile, out, scale)
         meta["deadline_scale"] = scale
+        meta["engine_speeds"] = [speed]
         print(f"deadlines: {args.slack:g} x critical path alone x {scale:.2f}", flush=True)
         if not args.no_sim:
             sims = sim_baselines(traces, args.rates, args.engines, profile)
@@ -768,7 +785,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(runs, unit="run", desc="peers", dynamic_ncols=True)
+        cell: tuple[int, str, float] | None = None
         for spec in bar:
+            here = (spec.rep, spec.app, spec.rate_scale)
+            if args.deadline_scale == "auto" and cell is not None and here != cell:
+                # The box's speed drifts during a run, too: read it again before every
+                # cell, so the routers compared in a cell share deadlines set at its speed.
+                speed = engine_speed(
+                    fleet.urls[0], opts.model, profile, seconds=3.0, vocab=args.vocab_size
+                )
+                meta["engine_speeds"].append(speed)
+                scale = float(speed["slowdown"])
+                bench.traces = _make_traces(args, profile, out, scale)
+            cell = here
             bar.set_postfix_str(f"{spec.router.name} | {spec.app} x{spec.rate_scale:g}")
             try:
                 row = bench.run_one(spec)
@@ -791,6 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"hits {row['engine_prefix_hit_ratio'] or 0:.2f} "
                     f"failed {row['failed_requests']}"
                 )
+            row["deadline_scale"] = scale
             rows.append(row)
             _write(out, {"runs": rows, "sim_baselines": sims, "meta": meta})
     except KeyboardInterrupt:
@@ -804,8 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
     meta["engine_restarts"] = fleet.restarts
     ok = [r for r in rows if "error" not in r]
-    speeds = [meta["engine_speed"]] if "engine_speed" in meta else []
-    table, stable = report(out, rows, sims, speeds)
+    table, stable = report(out, rows, sims, _speed_readings({"meta": meta}))
     _write(out, {"runs": rows, "summary": aggregate(ok), "sim_baselines": sims, "meta": meta})
     print(table)
     if stable:
