@@ -791,12 +791,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.deadline_scale == "auto" and cell is not None and here != cell:
                 # The box's speed drifts during a run, too: read it again before every
                 # cell, so the routers compared in a cell share deadlines set at its speed.
-                speed = engine_speed(
-                    fleet.urls[0], opts.model, profile, seconds=3.0, vocab=args.vocab_size
-                )
-                meta["engine_speeds"].append(speed)
-                scale = float(speed["slowdown"])
-                bench.traces = _make_traces(args, profile, out, scale)
+                try:
+                    speed = engine_speed(
+                        fleet.urls[0], opts.model, profile, seconds=3.0, vocab=args.vocab_size
+                    )
+                except (RuntimeError, httpx.HTTPError) as exc:
+                    # A failed reading must not end the benchmark: keep the last scale.
+                    tqdm.write(f"speed probe failed ({exc}); deadlines stay x{scale:.2f}")
+                else:
+                    meta["engine_speeds"].append(speed)
+                    scale = float(speed["slowdown"])
+                    bench.traces = _make_traces(args, profile, out, scale)
             cell = here
             bar.set_postfix_str(f"{spec.router.name} | {spec.app} x{spec.rate_scale:g}")
             try:
