@@ -370,10 +370,16 @@ class ManagedProcess:
         except ProcessLookupError:
             pgid = None
         if pgid is not None:
+            deadline = time.monotonic() + grace_s
             self._signal(pgid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=grace_s)
-            # The leader may be gone while children of its group linger (engine core).
+            # The leader may be gone while children of its group (vLLM's engine core)
+            # still shut down: they unlink their shared-memory queues on the way out, and
+            # a kill mid-cleanup leaves those in /dev/shm. They get the rest of the grace
+            # period; whatever is left then is killed.
+            while group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self._signal(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
@@ -386,6 +392,34 @@ class ManagedProcess:
     def _signal(pgid: int, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process group has a member that is not a zombie. (A signal 0 to the
+    group also succeeds for zombies, which an orphaned child stays until its new parent
+    reaps it.)"""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no procfs: ask the group itself
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def wait_http_ready(

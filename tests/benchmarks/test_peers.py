@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -375,3 +376,39 @@ def test_frozen_source_holds_every_package_wasma_serve_imports() -> None:
         assert not list(snap.rglob("__pycache__"))
     finally:
         shutil.rmtree(snap)
+
+
+def test_stop_lets_the_groups_children_finish_their_cleanup(tmp_path: Path) -> None:
+    """vLLM's API server exits on SIGTERM before its engine core has unlinked its
+    shared-memory queues; stop() must not kill the child mid-cleanup."""
+    import sys
+
+    from benchmarks.peers_procs import ManagedProcess, group_alive
+
+    done = tmp_path / "cleaned"
+    child = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(1.0)  # the cleanup\n"
+        f"    open({str(done)!r}, 'w').write('ok')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        f"open({str(tmp_path / 'ready')!r}, 'w').write('ok')\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    leader = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        "while True: time.sleep(0.1)\n"  # SIGTERM's default action ends it at once
+    )
+    mp = ManagedProcess("group", [sys.executable, "-c", leader], tmp_path / "log").start()
+    assert mp.proc is not None
+    pgid = mp.proc.pid
+    for _ in range(200):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    assert group_alive(pgid)
+    mp.stop(grace_s=10.0)
+    assert done.read_text() == "ok"
+    assert not group_alive(pgid)
