@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.closed_loop import closed_loop
 from benchmarks.metrics import summarize
 from benchmarks.peers_procs import (
     EngineEndpoint,
@@ -64,6 +65,7 @@ from benchmarks.peers_procs import (
 )
 from benchmarks.peers_report import (
     aggregate,
+    capacity_table,
     markdown_table,
     plot,
     prefix_counter_delta,
@@ -480,8 +482,6 @@ def engine_speed(
     Loads and deadlines are fixed in the traces, but on a shared machine the engines'
     speed moves by 2x from one day to the next, and with it where every router's 90%
     point falls; this reading is what lets runs from different days be compared."""
-    from benchmarks.host_contention import closed_loop  # it imports this module
-
     lat = asyncio.run(
         closed_loop(url, model, 1, seconds, PROBE_PROMPT, PROBE_OUTPUT, seed=7, vocab=vocab)
     )
@@ -681,6 +681,12 @@ def report(
     targets = targets_table(agg)
     if targets.count("\n") > 1:
         table += "\n\nwasma against the best peer at each load:\n\n" + targets
+    points = capacity_table(agg)
+    if points.count("\n") > 1:
+        table += (
+            "\n\nAt the highest load where a peer still meets 90% of deadlines (median), "
+            "and wasma's own highest such load:\n\n" + points
+        )
     stable = sim_table(sims, agg) if sims else ""
     (out / "table.md").write_text(table + "\n\n" + stable + "\n")
     if agg:

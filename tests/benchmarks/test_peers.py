@@ -24,6 +24,7 @@ from benchmarks.peers_procs import (
 )
 from benchmarks.peers_report import (
     aggregate,
+    capacity_table,
     markdown_table,
     prefix_counter_delta,
     sim_table,
@@ -250,6 +251,47 @@ def test_targets_table_splits_goodput_into_attainment_and_duration() -> None:
     # P95 against the lowest peer P95 (vllm-router's 1.4 s), not the best peer's.
     assert cells[7].startswith("0.80x (vllm-router kv_aware 1.40 s; wasma 1.12 s)")
     assert cells[8] == "1"
+
+
+def test_capacity_table_reads_the_highest_load_a_peer_still_meets_90_percent() -> None:
+    agg = aggregate(
+        [
+            _run("sglang-router cache_aware", 1.0, 0.8, 1.0, 1.0, 6.0),
+            _run("wasma", 1.0, 0.8, 1.0, 0.9, 6.0),
+            # A dip: no peer meets 90% at x2, but one does again at x3.
+            _run("sglang-router cache_aware", 2.0, 0.5, 0.6, 2.0, 6.0),
+            _run("vllm-router kv_aware", 2.0, 0.6, 0.8, 1.8, 6.0),
+            _run("wasma", 2.0, 1.2, 1.0, 1.0, 4.0),
+            _run("sglang-router cache_aware", 3.0, 1.2, 0.8, 2.5, 4.0),
+            _run("vllm-router kv_aware", 3.0, 1.0, 1.0, 2.0, 5.0),
+            _run("wasma", 3.0, 1.5, 1.0, 1.2, 3.5),
+            _run("sglang-router cache_aware", 4.0, 0.5, 0.4, 4.0, 4.0),
+            _run("wasma", 4.0, 1.2, 0.8, 2.0, 3.5),
+            _run("sglang-router cache_aware", 5.0, 0.5, 0.2, 5.0, 4.0),
+            _run("wasma", 5.0, 1.5, 1.0, 2.2, 3.5),
+        ]
+    )
+    lines = capacity_table(agg).splitlines()
+    assert len(lines) == 3
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[0] == "mapreduce"
+    assert cells[1] == "x3 (vllm-router kv_aware 1.00)"  # the highest load, not the first
+    assert cells[2] == "x2 (0.80)"
+    # Best peer by goodput at x3 is sglang-router (1.2), the lowest P95 kv_aware (2.0).
+    assert cells[3] == "1.25x (sglang-router cache_aware)"
+    assert cells[4] == "0.60x (vllm-router kv_aware)"
+    # wasma met 90% at the highest load tested: its capacity ratio is a lower bound.
+    assert cells[5:] == ["x5", ">= 1.67x"]
+
+
+def test_capacity_table_skips_apps_where_no_peer_meets_the_threshold() -> None:
+    agg = aggregate(
+        [
+            _run("sglang-router cache_aware", 1.0, 0.3, 0.6, 2.0, 6.0),
+            _run("wasma", 1.0, 0.8, 1.0, 1.0, 6.0),
+        ]
+    )
+    assert len(capacity_table(agg).splitlines()) == 2
 
 
 def test_report_only_pools_earlier_outputs(tmp_path: Path) -> None:
