@@ -143,6 +143,9 @@ def diagnostic_routers() -> list[RouterConfig]:
         RouterConfig(
             "wasma host_contention=1", "wasma", "wasma", params=(("host_contention", 1.0),)
         ),
+        RouterConfig(
+            "wasma host_contention=0.5", "wasma", "wasma", params=(("host_contention", 0.5),)
+        ),
         # The fitted profile as is, not scaled to the engines' observed speed.
         RouterConfig("wasma -calibration", "wasma", "wasma", settings=(("calibration", False),)),
         RouterConfig(
