@@ -9,10 +9,18 @@ import itertools
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from benchmarks.peers import SIM_MODELS, estimate_s, main, parse_args, plan_runs
+from benchmarks.peers import (
+    SIM_MODELS,
+    estimate_s,
+    main,
+    parse_args,
+    plan_runs,
+    settled_speed,
+)
 from benchmarks.peers_procs import (
     EngineEndpoint,
     EngineOptions,
@@ -292,6 +300,44 @@ def test_capacity_table_skips_apps_where_no_peer_meets_the_threshold() -> None:
         ]
     )
     assert len(capacity_table(agg).splitlines()) == 2
+
+
+def _readings(*slowdowns: float | Exception) -> Any:
+    """A probe that returns these readings in turn (or raises the exceptions)."""
+    left = list(slowdowns)
+    taken: list[float | Exception] = []
+
+    def read() -> dict[str, float]:
+        value = left.pop(0)
+        taken.append(value)
+        if isinstance(value, Exception):
+            raise value
+        return {"slowdown": value, "median_s": 0.1, "profile_s": 0.1 / value, "requests": 9}
+
+    read.taken = taken  # type: ignore[attr-defined]
+    return read
+
+
+def test_settled_speed_reads_once_while_the_speed_holds() -> None:
+    read = _readings(3.9, 99.0)
+    assert [r["slowdown"] for r in settled_speed(read, last_scale=3.0)] == [3.9]
+    assert read.taken == [3.9]
+
+
+def test_settled_speed_reads_a_jump_again_in_either_direction() -> None:
+    # A stall: 10.13x between cells at ~3x; the second reading says 3.1x.
+    read = _readings(10.13, 3.1)
+    assert [r["slowdown"] for r in settled_speed(read, last_scale=3.0)] == [10.13, 3.1]
+    # A real slowdown reads slow twice; the faster of the two is still slow.
+    read = _readings(7.0, 6.5)
+    assert [r["slowdown"] for r in settled_speed(read, last_scale=3.0)] == [7.0, 6.5]
+    read = _readings(1.2, 1.4)
+    assert len(settled_speed(read, last_scale=3.0)) == 2
+
+
+def test_settled_speed_keeps_the_first_reading_if_the_second_fails() -> None:
+    read = _readings(10.0, RuntimeError("no request finished"))
+    assert [r["slowdown"] for r in settled_speed(read, last_scale=3.0)] == [10.0]
 
 
 def test_report_only_pools_earlier_outputs(tmp_path: Path) -> None:
