@@ -86,6 +86,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else a / b
 
 
+def _peers(entries: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The peer routers' entries: every router not named wasma (ablations and `[base]`
+    twins included)."""
+    return [e for e in entries if not e["router"].startswith("wasma")]
+
+
+def _best_and_fastest(
+    peers: Sequence[Mapping[str, Any]],
+) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    """The peer with the highest median goodput and the one with the lowest median P95
+    (None where no peer has that metric)."""
+    rated = [e for e in peers if _median(e, "goodput_wf_per_s") is not None]
+    timed = [e for e in peers if _median(e, "p95_workflow_s") is not None]
+    best = max(rated, key=lambda e: _median(e, "goodput_wf_per_s") or 0.0, default=None)
+    fastest = min(timed, key=lambda e: _median(e, "p95_workflow_s") or 0.0, default=None)
+    return best, fastest
+
+
 def targets_table(agg: Sequence[Mapping[str, Any]], subject: str = "wasma") -> str:
     """`subject` against the peers (every router not named wasma...) at each app and load.
 
@@ -117,13 +135,9 @@ def targets_table(agg: Sequence[Mapping[str, Any]], subject: str = "wasma") -> s
 
     for (app, rate), es in sorted(cells.items()):
         mine = next((e for e in es if e["router"] == subject), None)
-        peers = [e for e in es if not e["router"].startswith("wasma")]
-        peers = [e for e in peers if _median(e, "goodput_wf_per_s") is not None]
-        if mine is None or not peers:
+        best, fastest = _best_and_fastest(_peers(es))
+        if mine is None or best is None:
             continue
-        best = max(peers, key=lambda e: _median(e, "goodput_wf_per_s") or 0.0)
-        with_p95 = [e for e in peers if _median(e, "p95_workflow_s") is not None]
-        fastest = min(with_p95, key=lambda e: _median(e, "p95_workflow_s") or 0.0, default=None)
         att_peer = _median(best, "deadline_attainment")
         p95 = "n/a"
         if fastest is not None:
@@ -183,30 +197,34 @@ def capacity_table(
                 by_load.setdefault(e["rate_scale"], []).append(e)
         loads = sorted(by_load)
         peer_best: dict[float, tuple[float, Mapping[str, Any]]] = {}
+        mine_of: dict[float, Mapping[str, Any]] = {}
         mine_att: dict[float, float] = {}
         for load in loads:
-            peers = [e for e in by_load[load] if not e["router"].startswith("wasma")]
-            rated = [(a, e) for e in peers if (a := _median(e, "deadline_attainment")) is not None]
+            rated = [
+                (a, e)
+                for e in _peers(by_load[load])
+                if (a := _median(e, "deadline_attainment")) is not None
+            ]
             if rated:
                 peer_best[load] = max(rated, key=lambda ae: ae[0])
             mine = next((e for e in by_load[load] if e["router"] == subject), None)
-            if mine is not None and (a := _median(mine, "deadline_attainment")) is not None:
-                mine_att[load] = a
+            if mine is not None:
+                mine_of[load] = mine
+                if (a := _median(mine, "deadline_attainment")) is not None:
+                    mine_att[load] = a
         met = [x for x in loads if x in peer_best and peer_best[x][0] >= threshold]
         if not met or not mine_att:
             continue
         point = met[-1]
         dips = [x for x in loads if x < point and x in peer_best and x not in met]
-        es = by_load[point]
-        mine = next((e for e in es if e["router"] == subject), None)
-        peers = [e for e in es if not e["router"].startswith("wasma")]
-        best = max(peers, key=lambda e: _median(e, "goodput_wf_per_s") or 0.0)
-        fastest = min(peers, key=lambda e: _median(e, "p95_workflow_s") or float("inf"))
+        mine = mine_of.get(point)
+        best, fastest = _best_and_fastest(_peers(by_load[point]))
         good = p95 = "n/a"
-        if mine is not None:
+        if mine is not None and best is not None:
             g = _ratio(_median(mine, "goodput_wf_per_s"), _median(best, "goodput_wf_per_s"))
-            p = _ratio(_median(mine, "p95_workflow_s"), _median(fastest, "p95_workflow_s"))
             good = "n/a" if g is None else f"{g:.2f}x ({best['router']})"
+        if mine is not None and fastest is not None:
+            p = _ratio(_median(mine, "p95_workflow_s"), _median(fastest, "p95_workflow_s"))
             p95 = "n/a" if p is None else f"{p:.2f}x ({fastest['router']})"
         own = [x for x in loads if mine_att.get(x, 0.0) >= threshold]
         own_point = own[-1] if own else None
