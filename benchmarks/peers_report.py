@@ -178,7 +178,10 @@ def capacity_table(
     attains 90%" is read as the highest tested load where any peer does: the most
     generous reading for the peers. Loads below it where no peer did are listed, so a
     dip is visible rather than hidden. A capacity ratio whose subject met the threshold
-    at the highest load tested is a lower bound (shown with >=)."""
+    at the highest load tested is a lower bound (shown with >=). Where the subject itself
+    dips below the threshold under its own highest such load, the ratio is given as a
+    range: from its last load before the first dip (the strict reading) to its highest
+    (the generous one the peers get)."""
     head = [
         "app",
         "peers' 90% point (best peer there)",
@@ -186,6 +189,7 @@ def capacity_table(
         f"{subject} goodput / best peer",
         f"{subject} P95 / lowest peer P95",
         f"{subject}'s own highest load >= {threshold:g}",
+        f"{subject}'s dips below it",
         "capacity ratio",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -228,11 +232,17 @@ def capacity_table(
             p95 = "n/a" if p is None else f"{p:.2f}x ({fastest['router']})"
         own = [x for x in loads if mine_att.get(x, 0.0) >= threshold]
         own_point = own[-1] if own else None
+        below = [(x, a) for x, a in mine_att.items() if own_point is not None and x < own_point]
+        own_dips = [x for x, a in below if a < threshold]
         if own_point is None:
             ratio = "n/a"
         else:
             bound = ">= " if own_point == loads[-1] else ""
             ratio = f"{bound}{own_point / point:.2f}x"
+            steady = [x for x in own if not own_dips or x < own_dips[0]]
+            if own_dips:
+                low = f"{steady[-1] / point:.2f}x" if steady else "none"
+                ratio = f"{low} .. {ratio}"
         lines.append(
             "| "
             + " | ".join(
@@ -243,6 +253,7 @@ def capacity_table(
                     good,
                     p95,
                     "none" if own_point is None else f"x{own_point:g}",
+                    ", ".join(f"x{x:g} ({mine_att[x]:.2f})" for x in own_dips) or "none",
                     ratio,
                 ]
             )

@@ -288,8 +288,25 @@ def test_capacity_table_reads_the_highest_load_a_peer_still_meets_90_percent() -
     # Best peer by goodput at x3 is sglang-router (1.2), the lowest P95 kv_aware (2.0).
     assert cells[3] == "1.25x (sglang-router cache_aware)"
     assert cells[4] == "0.60x (vllm-router kv_aware)"
-    # wasma met 90% at the highest load tested: its capacity ratio is a lower bound.
-    assert cells[5:] == ["x5", ">= 1.67x"]
+    # wasma met 90% at the highest load tested, a lower bound on its capacity ratio; it
+    # dipped at x4, so the strict reading stops at x3 (1.00x the peers' point).
+    assert cells[5:] == ["x5", "x4 (0.80)", "1.00x .. >= 1.67x"]
+
+
+def test_capacity_table_reads_a_subject_without_dips_as_one_ratio() -> None:
+    agg = aggregate(
+        [
+            _run("sglang-router cache_aware", 1.0, 0.8, 1.0, 1.0, 6.0),
+            _run("wasma", 1.0, 0.8, 1.0, 0.9, 6.0),
+            _run("sglang-router cache_aware", 2.0, 0.5, 0.6, 2.0, 6.0),
+            _run("wasma", 2.0, 1.2, 1.0, 1.0, 4.0),
+            _run("sglang-router cache_aware", 3.0, 0.5, 0.4, 2.0, 6.0),
+            _run("wasma", 3.0, 1.2, 0.5, 1.0, 4.0),
+        ]
+    )
+    cells = [c.strip() for c in capacity_table(agg).splitlines()[2].strip("|").split("|")]
+    assert cells[1] == "x1 (sglang-router cache_aware 1.00)"
+    assert cells[5:] == ["x2", "none", "2.00x"]
 
 
 def test_capacity_table_skips_apps_where_no_peer_meets_the_threshold() -> None:
