@@ -301,8 +301,10 @@ def plot(agg: Sequence[Mapping[str, Any]], path: Path) -> Path:
     apps = sorted({e["app"] for e in agg})
     routers = list(dict.fromkeys(e["router"] for e in agg))
     rates = sorted({e["rate_scale"] for e in agg})
+    # Wider panels when many loads are pooled, so the groups of bars stay readable.
+    panel_w = max(4.2, 0.55 * len(rates))
     fig, axes = plt.subplots(
-        len(apps), len(METRICS), figsize=(4.2 * len(METRICS), 3.0 * len(apps)), squeeze=False
+        len(apps), len(METRICS), figsize=(panel_w * len(METRICS), 3.0 * len(apps)), squeeze=False
     )
     width = 0.8 / max(len(routers), 1)
     colors = plt.get_cmap("tab10")
@@ -331,7 +333,9 @@ def plot(agg: Sequence[Mapping[str, Any]], path: Path) -> Path:
                     xs, meds, width, yerr=[lo, hi], color=colors(k), capsize=2,
                     label=router if i == 0 and j == 0 else None,
                 )  # fmt: skip
-            ax.set_xticks(range(len(rates)), [f"load x{r:g}" for r in rates])
+            ax.set_xticks(range(len(rates)), [f"x{r:g}" for r in rates], fontsize=8)
+            if i == len(apps) - 1:
+                ax.set_xlabel("load (x the trace's rate)", fontsize=8)
             ax.set_title(f"{app}: {title}", fontsize=9)
     fig.legend(loc="lower center", ncol=min(len(routers), 6), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
