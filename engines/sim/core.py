@@ -241,6 +241,25 @@ class SimEngineCore:
         req.num_preemptions += 1
         self._push_waiting(req, front=True)
 
+    def _unpin_waiting(self, head: SimRequest) -> bool:
+        """Release the moved-in KV that waiting requests other than `head` hold; True if
+        any was held.
+
+        vLLM allocates a request's blocks for external KV when its scheduler admits the
+        request, in queue order. Here moved KV lands when the transfer does and is held
+        for its request until admission, so requests still waiting can hold every block
+        while nothing runs and the queue's head cannot be admitted: a deadlock vLLM's
+        order rules out. The released blocks stay cached (free, evicted in LRU order), so
+        their requests can still hit what the head's allocation leaves."""
+        waiting = [e[3] for e in self._heap] if self.policy == "priority" else self._fcfs
+        released = False
+        for req in waiting:
+            if req is not head and req.pinned_blocks:
+                self.kv.free_blocks(req.pinned_blocks)
+                req.pinned_blocks = []
+                released = True
+        return released
+
     def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], bool, bool]:
         """One vLLM scheduling pass: (scheduled, preempted any, admitted any)."""
         prof = self.profile
@@ -315,7 +334,9 @@ class SimEngineCore:
                     num_new = threshold
                 num_new = min(num_new, budget)
                 if not self._allocate(req, num_new, hits):
-                    break
+                    if running or not self._unpin_waiting(req):
+                        break
+                    continue  # the released blocks may let it in: look it up again
                 self._pop_waiting()
                 if req.pinned_blocks:
                     # The request now holds its moved-in prefix through its own hits.

@@ -289,6 +289,25 @@ def test_self_preemption_does_not_stall_the_engine() -> None:
     assert a.finished and b.finished
 
 
+def test_moved_in_kv_of_waiting_requests_cannot_deadlock_the_queue() -> None:
+    # 8 usable blocks of 4 tokens. Two low-priority requests wait holding moved-in KV (3
+    # blocks each, pinned until admission); the head of the queue needs 3 blocks for its
+    # prompt and only 2 are free, and nothing runs that could free more.
+    core = SimEngineCore("e0", tiny(num_kv_blocks=9, budget=16), "priority")
+    head = request("head", 12, 4, priority=0)
+    held = [request(f"held{i}", 12, 4, priority=5) for i in range(2)]
+    for r in held:
+        r.pinned_blocks = core.kv.seed_pinned(r.block_hashes[:3])
+        core.add_request(r, 0.0)
+    core.add_request(head, 0.0)
+    assert core.kv.num_free == 2
+    d = Driver(core)
+    assert core.start_step(0.0) > 0  # not idle: the held KV goes back to the cache
+    d.run([])
+    assert head.finished and all(r.finished for r in held)
+    assert head.first_token_time == 1.0  # admitted in the first step, ahead of them
+
+
 # -- queues and seats ------------------------------------------------------------------
 
 
