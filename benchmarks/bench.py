@@ -45,6 +45,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         workflows, spec.policy, spec.engines, profile, spec.rate_scale, params=spec.params
     ).run()
     row = summarize(run, Path(spec.trace).name, profile.kv_bytes_per_token)
+    # The simulator knows when a request was evicted mid-run to free KV blocks (and
+    # recomputed when readmitted); a live replay cannot see it, so only sim rows say.
+    row["preemptions"] = sum(r.preemptions for r in run.requests)
     if spec.params:
         row["params"] = dict(spec.params)
     return row
