@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(
         key=lambda r: (-r["kv_tokens"], APPS.index(r["app"]), r["load"], order.index(r["variant"]))
     )
+    bar.total = bar.n  # the sweeps' length was an estimate: end the bar at what ran
+    bar.refresh()
     bar.close()
     (out / "results.json").write_text(
         json.dumps({"runs": rows, "least_loaded_capacity": capacity}, indent=2)
