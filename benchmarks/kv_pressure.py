@@ -9,8 +9,9 @@ turning retention off changes nothing there. Here the same engines get a smaller
 as a server started with a lower `--gpu-memory-utilization` (or `--kv-cache-memory`, for
 a second model on the GPU) has, and the step model is unchanged. On each pool size:
 least_loaded's capacity (the load where it meets 90% of deadlines) is found by a sweep,
-then wasma runs at 1x and 1.5x that load with retention, hopeless demotion and slack
-priority each off in turn. Writes DIR/results.json, DIR/table.md and the profiles used.
+then wasma runs at 1x and 1.5x that load with retention, hopeless demotion, slack
+priority and KV-aware admission each off in turn. Writes DIR/results.json, DIR/table.md
+and the profiles used.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from scheduler.trace import write_trace
 APPS = ("pipeline", "mapreduce", "debate")
 # The mechanisms whose effect depends on KV running short: retention keeps blocks that
 # pending children will reuse; hopeless demotion and slack priority decide who waits
-# (and, in vLLM, who is preempted first) when blocks run out.
-MECHANISMS = ("retain", "hopeless", "priority")
+# (and, in vLLM, who is preempted first) when blocks run out; KV-aware admission keeps
+# new workflows at the router while their engine's KV is spoken for.
+MECHANISMS = ("retain", "hopeless", "priority", "kv_admission")
 
 
 def pressure_profile(base: Profile, kv_tokens: int, out: Path) -> Path:

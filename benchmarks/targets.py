@@ -46,6 +46,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "hopeless": {"hopeless": False},
     "admission": {"admission": False, "hopeless_slowdown": 1e9},
     "load_aware": {"load_aware": False},
+    "kv_admission": {"kv_admission": False},
 }
 
 

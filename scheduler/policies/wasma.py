@@ -18,7 +18,10 @@ the requests already there. It picks the lowest. What makes that estimate workfl
 - admission: where the driver can hold requests, a new workflow whose predicted finish
   under the current load is past its deadline waits at the router (admitting it would
   only slow those admitted before it), and requests already hopeless wait for a quiet
-  engine; held work is offered again, most urgent first, whenever a request finishes;
+  engine; a new workflow also waits while its best engine's KV is spoken for (what the
+  engine reports in use plus the prompts and outputs still to come there), since vLLM
+  would otherwise admit it and preempt when running requests outgrow the pool; held
+  work is offered again, most urgent first, whenever a request finishes;
 - retention: nodes whose context descendants will extend are flagged so the engine
   evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet);
 - shared hosts: engines whose compute is one host's CPU cores slow each other while
@@ -60,6 +63,14 @@ class Wasma(Policy):
         # prefill stalls their decodes, its decode slows their steps. 0 = selfish.
         "externality": 1.0,
         "kv_headroom": 0.92,  # fraction of KV blocks beyond which preemption is likely
+        # KV-aware admission. vLLM admits a request once its prompt fits and preempts
+        # when running requests outgrow the pool; every preemption recomputes a prompt.
+        # On: an engine's KV need is projected from what it reports in use plus the
+        # prompt and output tokens still to come on it (shared prefixes counted once, as
+        # the engine holds them); placement avoids engines it would push past
+        # `kv_headroom`, and a new workflow whose best engine it would push past waits
+        # at the router until requests finish.
+        "kv_admission": True,
         "min_transfer_gain_s": 0.002,
         # Above this many engines, score the prefix holders plus a rotating sample of
         # this many others (power-of-d choices) so a decision stays O(d), not O(N).
@@ -98,6 +109,17 @@ class Wasma(Policy):
                 f"policy 'wasma': host_contention must be a number >= 0, got {kappa!r}"
             )
         self._kappa = prof.host_contention if kappa is None else float(kappa)
+
+    def _kv_need(self, s: int) -> float:
+        """Blocks engine `s` will hold once its outstanding requests have prefilled and
+        decoded: what it reports in use now plus their tokens still to come. Prefixes
+        its requests share are in use once, so this does not count them per request as
+        `active_blocks` does; output already decoded is counted twice (the router does
+        not follow decode progress), which errs towards holding."""
+        load = self.ctx.state.loads[s]
+        cap = load.num_kv_blocks or self.ctx.profile.num_kv_blocks
+        todo = load.pending_prefill_tokens + load.pending_decode_tokens
+        return load.reported_kv_usage * cap + todo / self._bs
 
     def _busy_s(self, s: int) -> float:
         """How long engine `s` stays busy with the work already on it: its queued
@@ -239,6 +261,7 @@ class Wasma(Policy):
             slots = list(dict.fromkeys(holders + window))
         req_blocks = -(-(req.prompt_tokens + req.max_tokens) // bs)
         load_aware = p["load_aware"]
+        kv_gate = bool(p["kv_admission"])
         can_move = p["transfer"] and ctx.pricer is not None and max_real > 0
         cap_limit = p["kv_headroom"]
         c_pre = self._c_prefill
@@ -281,7 +304,12 @@ class Wasma(Policy):
                     + st.per_decode_ctx_token_s * (load.active_blocks * bs + req.prompt_tokens)
                 )
                 cap = load.num_kv_blocks or prof.num_kv_blocks
-                if load.active_blocks + req_blocks > cap_limit * cap:
+                if kv_gate:
+                    got = max_real if transfer is not None else hit
+                    over = self._kv_need(s) + req_blocks - got > cap_limit * cap
+                else:
+                    over = load.active_blocks + req_blocks > cap_limit * cap
+                if over:
                     # Likely preemption: someone's prefill is recomputed; charge it.
                     queued += req.prompt_tokens * c_pre * 2
                 # Everyone already there waits for this prefill and decodes a bit slower
@@ -299,6 +327,17 @@ class Wasma(Policy):
                 best_key = key
                 best = (own, s, max_real if transfer is not None else hit, transfer)
         est, slot, hit, transfer = best
+        # KV-aware admission, per workflow as deadline admission is: a new workflow
+        # waits while its best engine's KV is spoken for; an admitted one's later nodes
+        # always go through (their context is usually cached there, and holding them
+        # would stall workflows half done).
+        kv_full = (
+            kv_gate
+            and not req.parents
+            and loads[slot].outstanding > 0
+            and self._kv_need(slot) + req_blocks - hit
+            > cap_limit * (loads[slot].num_kv_blocks or prof.num_kv_blocks)
+        )
         remaining, reused = self._lookahead(ctx.workflows.get(req.workflow_id), req)
         kind = (
             PlacementKind.TRANSFER
@@ -306,7 +345,7 @@ class Wasma(Policy):
             else (PlacementKind.REUSE if hit > 0 else PlacementKind.RECOMPUTE)
         )
         priority = self._priority(req, remaining, now)
-        defer = ctx.can_defer and self._hold(req, slot, est, remaining, now)
+        defer = ctx.can_defer and (kv_full or self._hold(req, slot, est, remaining, now))
         return Placement(
             engine=slot,
             kind=kind,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from benchmarks.apps import generate
+from benchmarks.kv_pressure import pressure_profile
 from benchmarks.sim_replay import SimReplay
+from engines.base import EngineStats
 from engines.sim.profile import load_profile
 from scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
 from scheduler.prefix_index import PrefixIndex
@@ -136,3 +139,93 @@ def test_past_its_deadline_without_hopeless_demotion_a_root_is_not_held() -> Non
     busy.p["hopeless"] = False
     late = wf.deadline_s + 1.0
     assert not busy.place(_request(wf, "root", late), late).defer
+
+
+# -- KV-aware admission ----------------------------------------------------------------
+
+CAP = PROF.num_kv_blocks - 1
+
+
+def _kv_ctx(usages: list[float], params: dict[str, Any] | None = None) -> tuple[Any, ClusterState]:
+    """Engines that each run one small request and report `usages` of their KV in use."""
+    names = [f"e{i}" for i in range(len(usages))]
+    state = ClusterState(names, CAP)
+    for slot, usage in enumerate(usages):
+        state.on_dispatch(f"bg{slot}", slot, Charge(10, 0, 16))
+        state.on_stats(slot, EngineStats(1, 0, usage, CAP))
+    ctx = PolicyContext(
+        state,
+        PrefixIndex(names),
+        WorkflowRegistry(),
+        PROF,
+        params={"admission": False, **(params or {})},
+        can_defer=True,
+    )
+    return default_registry().create("wasma", ctx), state
+
+
+def _big(rid: str = "r", parents: tuple[str, ...] = ()) -> RequestInfo:
+    # 8,000 prompt tokens: 500 blocks, 1.8% of the pool.
+    return RequestInfo(rid, rid, "n", "app", 8000, 200, [], 0.0, parents=parents)
+
+
+def test_kv_admission_holds_a_request_its_engine_has_no_kv_for() -> None:
+    full, _ = _kv_ctx([0.95])
+    assert full.place(_big(), 0.0).defer
+    roomy, _ = _kv_ctx([0.5])
+    assert not roomy.place(_big(), 0.0).defer
+    off, _ = _kv_ctx([0.95], {"kv_admission": False})
+    assert not off.place(_big(), 0.0).defer
+
+
+def test_kv_admission_lets_an_admitted_workflows_later_nodes_through() -> None:
+    full, _ = _kv_ctx([0.95])
+    assert not full.place(_big(parents=("root",)), 0.0).defer
+
+
+def test_kv_admission_counts_prompt_and_output_still_to_come() -> None:
+    policy, state = _kv_ctx([0.5])
+    # Queued prompts and outputs that will take 45% of the pool on top of the 50% in use.
+    state.on_dispatch("queued", 0, Charge(0, int(0.45 * CAP * PROF.block_size), 0))
+    assert policy.place(_big(), 0.0).defer
+
+
+def test_kv_admission_counts_a_shared_prefix_once() -> None:
+    policy, state = _kv_ctx([0.3])
+    # 100 requests over one long document: charged per request they would fill the pool
+    # twice over, but the engine holds the document once and reports 30% in use.
+    for i in range(100):
+        state.on_dispatch(f"sib{i}", 0, Charge(600, 0, 50))
+    assert state.loads[0].active_blocks > 2 * CAP
+    assert not policy.place(_big(), 0.0).defer
+
+
+def test_kv_admission_places_where_there_is_room_rather_than_hold() -> None:
+    policy, _ = _kv_ctx([0.95, 0.2])
+    placed = policy.place(_big(), 0.0)
+    assert placed.engine == 1 and not placed.defer
+
+
+def test_kv_admission_never_holds_for_an_idle_engine() -> None:
+    policy, state = _kv_ctx([0.95])
+    state.on_finish("bg0")  # the engine's last request finished; its stats lag
+    assert not policy.place(_big(), 0.0).defer
+
+
+def test_kv_admission_cuts_preemptions_on_a_small_pool_and_completes_everything(
+    tmp_path: Path,
+) -> None:
+    small = load_profile(str(pressure_profile(PROF, 16384, tmp_path)))
+    wfs = generate("mapreduce", 40, 1.0, seed=4, profile=PROF)
+    kw: dict[str, Any] = {"rate_scale": 2.0}
+    on = SimReplay(wfs, "wasma", 2, small, **kw)
+    run_on = on.run()
+    run_off = SimReplay(wfs, "wasma", 2, small, params={"kv_admission": False}, **kw).run()
+    for run in (run_on, run_off):
+        assert len(run.workflows) == len(wfs)
+        assert len(run.requests) == sum(len(w) for w in wfs)
+    pre_on = sum(r.preemptions for r in run_on.requests)
+    pre_off = sum(r.preemptions for r in run_off.requests)
+    assert pre_off > 0
+    assert pre_on < pre_off
+    assert on.held_total > 0
