@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
+from benchmarks.kv_pressure import pressure_profile
 from deploy.metadata import WorkflowIdentity
 from deploy.router_service import BadRequest, RouterService, ServiceRequest
 from engines.sim.profile import load_profile
@@ -118,5 +120,32 @@ async def test_a_caller_leaving_while_held_leaves_nothing_behind() -> None:
         assert svc.health()["held"] == 0
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+    finally:
+        await svc.close()
+
+
+async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: Path) -> None:
+    # A 16k-token KV pool (1,024 blocks): three 4,800-token prompts take 903 of them.
+    small = load_profile(str(pressure_profile(PROFILE, 16384, tmp_path)))
+    svc = RouterService([SimEngine("s0", small)], small, policy="wasma", held_recheck_s=0.01)
+    await svc.start()
+    try:
+        background = [
+            asyncio.create_task(
+                svc.complete(ServiceRequest(f"bg{i}", [2000 + i] * 4800, 16, WorkflowIdentity()))
+            )
+            for i in range(3)
+        ]
+        await _until(lambda: svc.health()["outstanding"] == 3)
+        assert svc.health()["held"] == 0
+        # One more long prompt would push the engine past 92% of its pool: vLLM would
+        # admit it and preempt as the others decode. It waits at the router instead.
+        ident = WorkflowIdentity(workflow_id="new", node_id="root")
+        new = asyncio.create_task(svc.complete(ServiceRequest("new", [9] * 1000, 8, ident)))
+        await _until(lambda: svc.health()["held"] == 1)
+        result = await new
+        assert len(result.token_ids) == 8
+        await asyncio.gather(*background)
+        assert svc.held_total == 1 and svc.health()["held"] == 0
     finally:
         await svc.close()
