@@ -52,6 +52,8 @@ _PRIORITY_STEP_S = 0.05
 class Wasma(Policy):
     name = "wasma"
     reads_inflight = True
+    # Skip pricing moves to engines that cannot win (a bound; decisions are unchanged).
+    prune: ClassVar[bool] = True
     params: ClassVar[dict[str, Any]] = {
         "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
@@ -267,15 +269,23 @@ class Wasma(Policy):
         c_pre = self._c_prefill
         attn = st.per_prefill_attn_s * req.prompt_tokens
         ext_w = p["externality"]
+        prune = self.prune and ext_w >= 0
         step_inc = st.per_decode_seq_s + st.per_decode_ctx_token_s * req.prompt_tokens
         # Engines sharing a host's cores slow each other while both are busy (CPU
         # engines; `Profile.host_contention`, 0 for engines with a device each).
         kappa = self._kappa if load_aware else 0.0
         neighbours = ctx.state.host_neighbours() if kappa > 0 else None
         busy_s: dict[int, float] = {}
-        best_key: tuple[float, int] | None = None
+        best_key: tuple[float, int, int] | None = None
         best: tuple[float, int, int, TransferOrder | None] = (0.0, slots[0], 0, None)
-        for s in slots:
+        order = list(enumerate(slots))
+        if can_move and holder in slots:
+            # Score the prefix holder first: a good engine found early lets the bound
+            # below skip pricing moves to the rest. The key's position term keeps the
+            # choice the same as scoring in slot order.
+            first = slots.index(holder)
+            order.insert(0, order.pop(first))
+        for pos, s in order:
             load = loads[s]
             hit = hits[s]
             # A sibling placed here computes the shared head this request would hit: that
@@ -283,8 +293,26 @@ class Wasma(Policy):
             overlay = (hit - real[s]) * bs
             queued = max(0, load.pending_prefill_tokens - overlay) * c_pre if load_aware else 0.0
             uncached = req.prompt_tokens - hit * bs
+            if load_aware:
+                step = (
+                    st.base_s
+                    + st.per_decode_seq_s * (load.outstanding + 1)
+                    + st.per_decode_ctx_token_s * (load.active_blocks * bs + req.prompt_tokens)
+                )
+            else:
+                step = st.base_s
             transfer: TransferOrder | None = None
             if can_move and max_real > hit:
+                if best_key is not None and prune:
+                    # Pricing a move is the costly part of scoring an engine: skip the
+                    # engine where even a free move of the whole prefix would not beat
+                    # the best so far (every term below only adds to this bound).
+                    floor = (req.prompt_tokens - max_real * bs) * (c_pre + attn)
+                    lb = queued + floor + req.max_tokens * step
+                    if load_aware:
+                        lb += ext_w * load.outstanding * (floor + req.max_tokens * step_inc)
+                    if lb > best_key[0]:
+                        continue
                 extra = max_real - hit
                 nbytes = extra * self._kv_bytes_per_block
                 assert ctx.pricer is not None
@@ -298,11 +326,6 @@ class Wasma(Policy):
             prefill = uncached * (c_pre + attn)
             others = 0.0
             if load_aware:
-                step = (
-                    st.base_s
-                    + st.per_decode_seq_s * (load.outstanding + 1)
-                    + st.per_decode_ctx_token_s * (load.active_blocks * bs + req.prompt_tokens)
-                )
                 cap = load.num_kv_blocks or prof.num_kv_blocks
                 if kv_gate:
                     got = max_real if transfer is not None else hit
@@ -315,14 +338,12 @@ class Wasma(Policy):
                 # Everyone already there waits for this prefill and decodes a bit slower
                 # while this request decodes beside them.
                 others = load.outstanding * (prefill + req.max_tokens * step_inc)
-            else:
-                step = st.base_s
             own = queued + prefill + req.max_tokens * step
             if neighbours is not None and neighbours[s]:
                 own, shared = self._contended(s, own, neighbours[s], busy_s)
                 others += shared
             est = own + ext_w * others
-            key = (est, load.outstanding)
+            key = (est, load.outstanding, pos)
             if best_key is None or key < best_key:
                 best_key = key
                 best = (own, s, max_real if transfer is not None else hit, transfer)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engines.base import BlockStored
 from engines.sim.profile import Profile, load_profile
+from scheduler.policies.wasma import Wasma
 from scheduler.policy import NoHealthyEngine, PlacementKind, PolicyContext, RequestInfo
 from scheduler.prefix_index import PrefixIndex
+from scheduler.pricing import LinkBandwidthPricer
 from scheduler.registry import UnknownPolicy, default_registry
 from scheduler.router import Router
 from scheduler.state import Charge, ClusterState
@@ -500,3 +505,33 @@ def test_wasma_hopeless_workflow_gets_the_lowest_class() -> None:
 def test_wasma_priority_off_gives_zero() -> None:
     ctx = make_ctx(n=2, params={"priority": False})
     assert policy("wasma", ctx).place(req("r", deadline=1.0), 0.0).priority == 0
+
+
+class _Unpruned(Wasma):
+    prune = False
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(2, 80),
+    seed=st.integers(0, 2**32 - 1),
+    kv=st.booleans(),
+)
+def test_wasma_pruning_never_changes_the_decision(n: int, seed: int, kv: bool) -> None:
+    """Skipping engines that cannot win must choose exactly what scoring every one does."""
+    rng = random.Random(seed)
+    ctx = make_ctx(n=n, params={"kv_admission": kv})
+    ctx.pricer = LinkBandwidthPricer(ctx.state.engines)
+    chains = [[rng.getrandbits(40) for _ in range(rng.randint(4, 300))] for _ in range(4)]
+    for e in range(n):
+        for chain in rng.sample(chains, rng.randint(0, 2)):
+            hold(ctx, e, chain[: rng.randint(1, len(chain))])
+        ctx.state.on_dispatch(
+            f"bg{e}", e, Charge(rng.randint(0, 30_000), rng.randint(0, 9000), rng.randint(0, 500))
+        )
+    pruned, full = Wasma(ctx), _Unpruned(ctx)
+    for i in range(6):
+        chain = rng.choice(chains)
+        hashes = [*chain[: rng.randint(1, len(chain))], rng.getrandbits(40)]
+        r = req(f"r{i}", hashes=hashes, max_tokens=rng.randint(1, 400))
+        assert pruned.place(r, 0.0) == full.place(r, 0.0)
