@@ -68,6 +68,8 @@ def variants() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"all on": {}}
     for m in MECHANISMS:
         out[f"no {m}"] = dict(ABLATIONS[m])
+    # Off by default: the slack order sent to the engine as well as used at the router.
+    out["engine priority"] = {"engine_priority": True}
     return out
 
 

@@ -206,7 +206,7 @@ class SimReplay:
         placement = self.router.route(info, now, force)
         if placement.defer:
             heapq.heappush(
-                self._held, (placement.priority, self._seq, wf, node_id, held_since or now)
+                self._held, (placement.hold_order, self._seq, wf, node_id, held_since or now)
             )
             self._seq += 1
             self.held_total += 1

@@ -620,7 +620,7 @@ class RouterService:
         try:
             while live is None:
                 turn = loop.create_future()
-                heapq.heappush(self._held, (placement.priority, next(self._held_seq), turn))
+                heapq.heappush(self._held, (placement.hold_order, next(self._held_seq), turn))
                 try:
                     async with asyncio.timeout(self.held_recheck_s):
                         await turn

@@ -60,6 +60,14 @@ class Placement:
     # driver supports it: PolicyContext.can_defer). Nothing is dispatched or charged.
     defer: bool = False
     estimated_finish_s: float | None = None  # the policy's estimate, for reports
+    # Order among requests held at the router (lower first); None = `priority`. Lets a
+    # policy release held work by urgency while the engine runs what it gets first come,
+    # first served.
+    hold_priority: int | None = None
+
+    @property
+    def hold_order(self) -> int:
+        return self.priority if self.hold_priority is None else self.hold_priority
 
 
 class TransferPricer(Protocol):

@@ -12,9 +12,11 @@ the requests already there. It picks the lowest. What makes that estimate workfl
 - transfer: if another engine holds a longer prefix, moving it is priced by the transfer
   planner, counting only the part not hidden behind the request's queueing;
 - priority: slack = deadline - now - the node's remaining critical path (from the DAG, or
-  the app's learned shape); the engine runs the least slack first (vLLM priority
-  scheduling). Workflows that can no longer make their deadline drop to the lowest
-  class: they still finish, but never ahead of workflows that can;
+  the app's learned shape); held work leaves the router least slack first, and with
+  `engine_priority` the engine runs it that way too (vLLM priority scheduling; off by
+  default, since vLLM then preempts by it). Workflows that can no longer make their
+  deadline drop to the lowest class: they still finish, but never ahead of workflows
+  that can;
 - admission: where the driver can hold requests, a new workflow whose predicted finish
   under the current load is past its deadline waits at the router (admitting it would
   only slow those admitted before it), and requests already hopeless wait for a quiet
@@ -58,6 +60,14 @@ class Wasma(Policy):
         "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
         "priority": True,  # slack-ordered priority
+        # Send the slack order to the engine too (vLLM priority scheduling). Off: the
+        # router releases held work by slack and the engine runs what it gets in arrival
+        # order. vLLM's priority scheduler preempts the lowest-priority running request
+        # however far it has got, so where KV runs short the slack order on the engine
+        # turns into recomputation (benchmarks/kv_pressure.py: mapreduce at 32k KV
+        # tokens an engine meets 87% of deadlines with it, 98% without); with KV to
+        # spare it changes nothing measurable, since vLLM then admits every request.
+        "engine_priority": False,
         "load_aware": True,  # count queued work; off = pure cache affinity
         "hopeless": True,  # demote workflows that cannot meet their deadline
         "retain": True,  # ask engines to keep context that descendants will reuse
@@ -366,11 +376,15 @@ class Wasma(Policy):
             else (PlacementKind.REUSE if hit > 0 else PlacementKind.RECOMPUTE)
         )
         priority = self._priority(req, remaining, now)
+        hold_priority = None
+        if not p["engine_priority"]:
+            priority, hold_priority = 0, priority
         defer = ctx.can_defer and (kv_full or self._hold(req, slot, est, remaining, now))
         return Placement(
             engine=slot,
             kind=kind,
             priority=priority,
+            hold_priority=hold_priority,
             defer=defer,
             hit_blocks=hit,
             transfer=transfer,

@@ -56,7 +56,14 @@ def test_main_writes_a_row_per_app_load_and_variant(
     data = json.loads((out / "results.json").read_text())
     rows = data["runs"]
     names = list(variants())
-    assert names == ["all on", "no retain", "no hopeless", "no priority"]
+    assert names == [
+        "all on",
+        "no retain",
+        "no hopeless",
+        "no priority",
+        "no kv_admission",
+        "engine priority",
+    ]
     assert [(r["app"], r["variant"]) for r in rows] == [
         (app, name) for app in ("pipeline", "mapreduce", "debate") for name in names
     ]

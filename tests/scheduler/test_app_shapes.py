@@ -76,7 +76,7 @@ def test_wasma_uses_learned_shape_for_priority_and_retention() -> None:
     hopeless = router.route(late, 1029.9)
     urgent = RequestInfo("new/map0", "new", "map0", "mr", 176, 10, list(range(11)), 1001.0, 1030.0)
     fine = router.route(urgent, 1001.0)
-    assert fine.priority < hopeless.priority  # reduce with 0.1 s left and ~1 s to go
+    assert fine.hold_order < hopeless.hold_order  # reduce with 0.1 s left and ~1 s to go
 
 
 def test_shape_table_is_bounded() -> None:

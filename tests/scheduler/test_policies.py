@@ -486,7 +486,7 @@ def wasma_priority(deadline_abs: float, now: float = 0.0, known: bool = True) ->
         node="a",
         deadline=deadline_abs,
     )
-    return int(p.place(r, now).priority)
+    return p.place(r, now).hold_order
 
 
 def test_wasma_priority_orders_by_slack() -> None:
@@ -504,7 +504,22 @@ def test_wasma_hopeless_workflow_gets_the_lowest_class() -> None:
 
 def test_wasma_priority_off_gives_zero() -> None:
     ctx = make_ctx(n=2, params={"priority": False})
-    assert policy("wasma", ctx).place(req("r", deadline=1.0), 0.0).priority == 0
+    placed = policy("wasma", ctx).place(req("r", deadline=1.0), 0.0)
+    assert placed.priority == 0 and placed.hold_order == 0
+
+
+def test_wasma_sends_the_slack_order_to_the_engine_only_when_asked() -> None:
+    def placed(params: dict[str, Any]) -> Any:
+        ctx = make_ctx(n=2, params=params)
+        ctx.workflows.register(siblings_workflow(k=1), 0.0)
+        r = req("wf/plan", list(range(10)), wid="wf", node="plan", deadline=60.0)
+        return policy("wasma", ctx).place(r, 0.0)
+
+    default = placed({})
+    # The router releases held work by slack; the engine runs first come, first served.
+    assert default.priority == 0 and default.hold_order > 0
+    sent = placed({"engine_priority": True})
+    assert sent.priority == sent.hold_order == default.hold_order
 
 
 class _Unpruned(Wasma):
