@@ -129,9 +129,16 @@ class Wasma(Policy):
         `active_blocks` does; output already decoded is counted twice (the router does
         not follow decode progress), which errs towards holding."""
         load = self.ctx.state.loads[s]
-        cap = load.num_kv_blocks or self.ctx.profile.num_kv_blocks
         todo = load.pending_prefill_tokens + load.pending_decode_tokens
-        return load.reported_kv_usage * cap + todo / self._bs
+        return load.reported_kv_usage * self._kv_cap(s) + todo / self._bs
+
+    def _kv_cap(self, s: int) -> int:
+        return self.ctx.state.loads[s].num_kv_blocks or self.ctx.profile.num_kv_blocks
+
+    def _kv_over(self, s: int, new_blocks: int) -> bool:
+        """Whether `new_blocks` more on engine `s` would take its projected KV need past
+        `kv_headroom` of its pool: where vLLM would likely preempt."""
+        return self._kv_need(s) + new_blocks > self.p["kv_headroom"] * self._kv_cap(s)
 
     def _busy_s(self, s: int) -> float:
         """How long engine `s` stays busy with the work already on it: its queued
@@ -336,11 +343,11 @@ class Wasma(Policy):
             prefill = uncached * (c_pre + attn)
             others = 0.0
             if load_aware:
-                cap = load.num_kv_blocks or prof.num_kv_blocks
                 if kv_gate:
                     got = max_real if transfer is not None else hit
-                    over = self._kv_need(s) + req_blocks - got > cap_limit * cap
+                    over = self._kv_over(s, req_blocks - got)
                 else:
+                    cap = load.num_kv_blocks or prof.num_kv_blocks
                     over = load.active_blocks + req_blocks > cap_limit * cap
                 if over:
                     # Likely preemption: someone's prefill is recomputed; charge it.
@@ -366,8 +373,7 @@ class Wasma(Policy):
             kv_gate
             and not req.parents
             and loads[slot].outstanding > 0
-            and self._kv_need(slot) + req_blocks - hit
-            > cap_limit * (loads[slot].num_kv_blocks or prof.num_kv_blocks)
+            and self._kv_over(slot, req_blocks - hit)
         )
         remaining, reused = self._lookahead(ctx.workflows.get(req.workflow_id), req)
         kind = (
