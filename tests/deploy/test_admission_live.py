@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.kv_pressure import pressure_profile
 from deploy.metadata import WorkflowIdentity
@@ -33,6 +34,21 @@ async def _until(pred: Callable[[], bool], timeout: float = 20.0) -> None:
     while not pred():
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.005)
+
+
+async def _background(
+    svc: RouterService, n: int, tokens: int, first: int
+) -> list[asyncio.Task[Any]]:
+    """`n` requests without deadlines, `tokens`-long prompts of token `first + i`, all
+    dispatched before this returns."""
+    tasks = [
+        asyncio.create_task(
+            svc.complete(ServiceRequest(f"bg{i}", [first + i] * tokens, 16, WorkflowIdentity()))
+        )
+        for i in range(n)
+    ]
+    await _until(lambda: svc.health()["outstanding"] == n)
+    return tasks
 
 
 def _holding_service(speed: float, recheck_s: float) -> RouterService:
@@ -70,13 +86,7 @@ async def test_a_hopeless_workflow_waits_for_a_quiet_engine_then_completes() -> 
     await svc.start()
     try:
         # Background work without deadlines: long prompts queued for prefill.
-        background = [
-            asyncio.create_task(
-                svc.complete(ServiceRequest(f"bg{i}", [1000 + i] * 8000, 16, WorkflowIdentity()))
-            )
-            for i in range(8)
-        ]
-        await _until(lambda: svc.health()["outstanding"] == 8)
+        background = await _background(svc, 8, 8000, 1000)
         # A workflow whose deadline is already out of reach: it still completes, but
         # only once its engine is quiet enough not to be slowed by more than 2x.
         node = {"parents": [], "output_tokens": 4, "prompt": [{"unique": 64}]}
@@ -130,13 +140,7 @@ async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: 
     svc = RouterService([SimEngine("s0", small)], small, policy="wasma", held_recheck_s=0.01)
     await svc.start()
     try:
-        background = [
-            asyncio.create_task(
-                svc.complete(ServiceRequest(f"bg{i}", [2000 + i] * 4800, 16, WorkflowIdentity()))
-            )
-            for i in range(3)
-        ]
-        await _until(lambda: svc.health()["outstanding"] == 3)
+        background = await _background(svc, 3, 4800, 2000)
         assert svc.health()["held"] == 0
         # One more long prompt would push the engine past 92% of its pool: vLLM would
         # admit it and preempt as the others decode. It waits at the router instead.
