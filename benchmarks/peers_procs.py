@@ -22,6 +22,8 @@ from typing import IO, Any
 
 import httpx
 
+from engines.vllm_engine import RETAINING_SCHEDULER
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -201,6 +203,10 @@ def engine_command(python: str, opts: EngineOptions, ep: EngineEndpoint) -> list
         "--enable-prefix-caching",
         "--scheduling-policy",
         "priority",
+        # wasma's KV retention tier: inert unless a request asks for a lease, which only
+        # wasma's router does, so every router meets the same engines.
+        "--scheduler-cls",
+        RETAINING_SCHEDULER,
         "--seed",
         str(opts.seed),
         # Lets `usage.prompt_tokens_details.cached_tokens` reach the replay per request.

@@ -36,7 +36,6 @@ from scheduler.policy import (
     Placement,
     PolicyContext,
     RequestInfo,
-    TransferOrder,
     TransferPricer,
 )
 from scheduler.prefix_index import PrefixIndex
@@ -278,6 +277,7 @@ class RouterService:
         journal: WorkflowJournal | None = None,
         calibration: CalibrationConfig | bool | None = None,
         held_recheck_s: float = 0.5,
+        retain_lease_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
@@ -354,6 +354,10 @@ class RouterService:
         self._held_ids: set[str] = set()
         self.held_total = 0  # requests that waited at the router before going live
         self.held_recheck_s = held_recheck_s
+        # How long an engine keeps the KV of a request the policy marks `retain` (a lease
+        # each such request of the workflow renews for its own blocks; it lapses by itself
+        # if the router goes away). The simulator keeps it until the workflow completes.
+        self.retain_lease_s = retain_lease_s
         # Live workflows (no registered DAG): key -> [outstanding requests, last activity].
         self._open_wf: dict[str, list[float]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -658,7 +662,7 @@ class RouterService:
         live, placement = await self._admit(req)
         try:
             try:
-                gen, first = await self._start(live, placement.priority, placement.transfer)
+                gen, first = await self._start(live, placement)
             except _EngineFault as fault:
                 gen, first = await self._failover(live, fault)
         except BaseException:
@@ -673,12 +677,14 @@ class RouterService:
         return stream
 
     async def _start(
-        self, live: _Live, priority: int, transfer: TransferOrder | None = None
+        self, live: _Live, placement: Placement
     ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
         """Submit `live` (from the tokens it already has) to its engine; its first chunk.
 
         A transfer order becomes the engine's `kv_transfer` (its connector loads the prefix
-        from the holder's peer server, and recomputes it if that fails)."""
+        from the holder's peer server, and recomputes it if that fails); `retain` becomes a
+        KV retention lease (`GenerateRequest.retain_s`)."""
+        priority, transfer = placement.priority, placement.transfer
         req = live.req
         engine = self.engines[live.slot]
         kv_transfer: dict[str, object] | None = None
@@ -703,6 +709,7 @@ class RouterService:
             temperature=req.temperature,
             extra=req.extra,
             kv_transfer=kv_transfer,
+            retain_s=self.retain_lease_s if placement.retain else 0.0,
         )
         try:
             gen = engine.generate(greq)
@@ -787,7 +794,7 @@ class RouterService:
             )
             live.slot = placement.engine
             try:
-                return await self._start(live, placement.priority, placement.transfer)
+                return await self._start(live, placement)
             except _EngineFault as again:
                 fault = again
 

@@ -33,6 +33,11 @@ class AllBlocksCleared:
     engine: str
 
 
+# The request tag (vLLM `SamplingParams.extra_args` key; `vllm_xargs` over HTTP) that asks
+# an engine running wasma's retaining scheduler to keep this request's KV for that many
+# seconds after it finishes (engines/vllm_retention.py).
+RETAIN_ARG = "wasma_retain_s"
+
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KVEventSink = Callable[[KVEvent], None]
 
@@ -64,6 +69,9 @@ class GenerateRequest:
     # `kv_transfer_params` for the wasma connector (transfer/vllm_connector.py), e.g.
     # {"wasma_peer": "host:port"}. Set by the router only, never from client input.
     kv_transfer: dict[str, object] | None = None
+    # Keep this request's KV, once it finishes, behind every ordinary free block for this
+    # many seconds (a lease; 0 = no retention): descendants will extend it. Router only.
+    retain_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

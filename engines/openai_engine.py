@@ -26,7 +26,14 @@ import httpx
 import msgspec
 
 from deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
-from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
+from engines.base import (
+    RETAIN_ARG,
+    EngineClient,
+    EngineStats,
+    GenerateRequest,
+    KVEventSink,
+    TokenChunk,
+)
 from engines.vllm_engine import KVEventTranslator
 
 log = logging.getLogger(__name__)
@@ -347,6 +354,10 @@ class OpenAIEngine(EngineClient):
         for key in ("top_p", "seed", "stop", "stop_token_ids", "min_tokens"):
             if key in request.extra:
                 body[key] = request.extra[key]
+        if request.retain_s > 0:
+            # Read by wasma's retaining scheduler (`--scheduler-cls
+            # engines.vllm_retention.RetainingScheduler`); other servers ignore it.
+            body["vllm_xargs"] = {RETAIN_ARG: request.retain_s}
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class _Pending:
     output: list[int]
     sent: int = 0  # output tokens emitted so far
     finished: bool = False
+    retain_s: float = 0.0  # the KV retention lease the request asked for (wall seconds)
     # An exception in the queue is the engine failing the request (fault injection).
     queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
 
@@ -87,6 +89,10 @@ class SimEngine(EngineClient):
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        # KV retention leases, as wasma's retaining vLLM scheduler keeps them
+        # (engines/vllm_retention.py): (simulated end, block hashes), soonest first.
+        self._leases: list[tuple[float, int, list[int]]] = []
+        self._lease_seq = 0
 
     # -- clock -----------------------------------------------------------------------
     def _now(self) -> float:
@@ -138,6 +144,7 @@ class SimEngine(EngineClient):
             if not core.has_work():
                 await self._sleep_until(None)
                 continue
+            self._end_leases()
             end = core.start_step(self._now())
             if end < 0:
                 # Nothing fits this step; wait for an arrival or an abort to change that.
@@ -163,12 +170,28 @@ class SimEngine(EngineClient):
             if done:
                 p.finished = True
                 del self._pending[req.request_id]
+                if p.retain_s > 0:
+                    self._grant_lease(req, p.retain_s)
         for req in out.finished:
             p = self._pending.pop(req.request_id, None)
             if p is not None and not p.finished:
                 # Aborted or finished without a token in this step (an abort mid-prefill).
                 p.finished = True
                 p.queue.put_nowait(TokenChunk((), True, "abort"))
+
+    def _grant_lease(self, req: SimRequest, seconds: float) -> None:
+        """Keep a finished request's cached blocks behind every ordinary free block."""
+        hashes = req.block_hashes[: req.num_tokens // self.block_size]
+        self.core.kv.retain(hashes)
+        end = self._now() + seconds * self._speed
+        heapq.heappush(self._leases, (end, self._lease_seq, hashes))
+        self._lease_seq += 1
+
+    def _end_leases(self) -> None:
+        now = self._now()
+        while self._leases and self._leases[0][0] <= now:
+            _, _, hashes = heapq.heappop(self._leases)
+            self.core.kv.release(hashes)
 
     # -- EngineClient ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -185,7 +208,7 @@ class SimEngine(EngineClient):
             request.request_id, hashes, len(prompt), request.max_tokens, request.priority
         )
         self.core.add_request(req, self._now())  # raises ValueError past max_model_len
-        pending = _Pending(req, output)
+        pending = _Pending(req, output, retain_s=request.retain_s)
         self._pending[request.request_id] = pending
         if self.core.busy:
             self.core.interrupt(self._now())
@@ -229,6 +252,7 @@ class SimEngine(EngineClient):
         for p in self._pending.values():
             p.queue.put_nowait(ConnectionError(f"engine {self.name} died"))
         self._pending.clear()
+        self._leases.clear()
         self.core = SimEngineCore(self.name, self.profile, self._policy, kv_sink=self._emit)
 
     def hang(self) -> None:

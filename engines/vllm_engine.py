@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from engines.base import (
+    RETAIN_ARG,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
+
+# engines.vllm_retention.WasmaScheduler, named here so that this module does not import
+# vLLM before an engine starts (the engine core resolves the name).
+RETAINING_SCHEDULER = "engines.vllm_retention.WasmaScheduler"
 
 GiB = 1 << 30
 
@@ -71,6 +76,9 @@ class VLLMEngineConfig:
     # names; None = no connector.
     kv_peer_port: int | None = None
     kv_peer_host: str = "127.0.0.1"
+    # Run vLLM's scheduler with wasma's KV retention tier (engines/vllm_retention.py):
+    # KV the router asks to keep (`GenerateRequest.retain_s`) is evicted last.
+    retention: bool = True
     extra_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -310,6 +318,7 @@ class VLLMEngine(EngineClient):
             kv_events_config=kv_events,
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our logger only; vLLM's logging one spams stdout
+            scheduler_cls=RETAINING_SCHEDULER if cfg.retention else None,
             **cfg.extra_args,
         )
         self._llm = AsyncLLM.from_engine_args(
@@ -361,11 +370,7 @@ class VLLMEngine(EngineClient):
             seed=int(seed) if isinstance(seed, int) else None,
             detokenize=bool(request.extra.get("detokenize", True)),
             output_kind=RequestOutputKind.DELTA,  # each chunk carries only new tokens
-            extra_args=(
-                {"kv_transfer_params": dict(request.kv_transfer)}
-                if request.kv_transfer and self.kv_peer is not None
-                else None
-            ),
+            extra_args=self._extra_args(request),
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         first = True
@@ -382,6 +387,15 @@ class VLLMEngine(EngineClient):
                 text=comp.text if comp is not None else "",
             )
             first = False
+
+    def _extra_args(self, request: GenerateRequest) -> dict[str, Any] | None:
+        """What the engine's own plugins read from the request (`extra_args`)."""
+        extra: dict[str, Any] = {}
+        if request.kv_transfer and self.kv_peer is not None:
+            extra["kv_transfer_params"] = dict(request.kv_transfer)
+        if request.retain_s > 0 and self.config.retention:
+            extra[RETAIN_ARG] = request.retain_s
+        return extra or None
 
     async def stats(self) -> EngineStats:
         s = self._stats

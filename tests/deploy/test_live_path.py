@@ -152,6 +152,10 @@ async def test_streams_token_ids_over_aiohttp(
         sent = fake.bodies[-1]
         assert sent["prompt"] == list(range(16, 1216))
         assert sent["priority"] == 3 and sent["stream"] and sent["return_token_ids"]
+        assert "vllm_xargs" not in sent  # no lease asked for
+        lease = GenerateRequest("rq2", list(range(16, 80)), 1, retain_s=30.0)
+        _ = [c async for c in engine.generate(lease)]
+        assert fake.bodies[-1]["vllm_xargs"] == {"wasma_retain_s": 30.0}
         stats = await engine.stats()
         assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (3, 2, 0.25)
         assert await engine.healthy()

@@ -18,6 +18,8 @@ from engines.base import GenerateRequest, TokenChunk
 
 pytestmark = pytest.mark.vllm
 
+POOL_BLOCKS = 512
+
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -34,7 +36,8 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from engines.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
-    opts = EngineOptions(model=model)
+    # A pool of 512 blocks (not the profile's 2,048) keeps the retention test's churn short.
+    opts = EngineOptions(model=model, num_kv_blocks=POOL_BLOCKS)
     sock_dir = tempfile.mkdtemp(prefix="wasma-t-")  # short: Unix socket paths are limited
     ep = EngineEndpoint(free_port(), f"{sock_dir}/kv.sock", free_port())
     logs = tmp_path_factory.mktemp("logs")
@@ -63,7 +66,7 @@ async def test_streams_and_reports_cache_hits(vllm_url: str) -> None:
     await engine.start()
     try:
         assert engine._aio is not None
-        assert engine.block_size == 32 and engine.num_kv_blocks == 2048
+        assert engine.block_size == 32 and engine.num_kv_blocks == POOL_BLOCKS
         prompt = _ids(random.Random(1), 300)
         for attempt in range(2):
             req = GenerateRequest(f"vr{attempt}", prompt, 8, ignore_eos=True)
@@ -78,7 +81,7 @@ async def test_streams_and_reports_cache_hits(vllm_url: str) -> None:
             if stats.prefix_cache_hits_tokens >= 256:
                 break
             await asyncio.sleep(0.1)
-        assert stats.num_kv_blocks == 2048
+        assert stats.num_kv_blocks == POOL_BLOCKS
         assert stats.prefix_cache_hits_tokens >= 256
     finally:
         await engine.close()
@@ -100,6 +103,36 @@ async def test_closing_a_stream_aborts_the_request_on_the_server(vllm_url: str) 
                 break
             await asyncio.sleep(0.1)
         assert (await engine.stats()).num_running == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: str) -> None:
+    """Over HTTP, a lease reaches `vllm serve` running wasma's scheduler
+    (`--scheduler-cls engines.vllm_retention.WasmaScheduler`, as the peers benchmark starts
+    every engine): the leased prompt survives churn that evicts an unleased one."""
+    from engines.openai_engine import OpenAIEngine
+
+    engine = OpenAIEngine("v0", vllm_url)
+    await engine.start()
+    try:
+        rng = random.Random(7)
+        bs = engine.block_size
+        prompts = {"kept": _ids(rng, 6 * bs), "plain": _ids(rng, 6 * bs)}
+        for name, prompt in prompts.items():
+            lease = 600.0 if name == "kept" else 0.0
+            req = GenerateRequest(f"vret-{name}", prompt, 1, retain_s=lease)
+            _ = [c async for c in engine.generate(req)]
+        per = (2048 - bs) // bs  # the server's max_model_len, less a block
+        for i in range(POOL_BLOCKS // per + 2):  # one at a time: LRU alone decides
+            req = GenerateRequest(f"vchurn-{i}", _ids(rng, per * bs), 1)
+            _ = [c async for c in engine.generate(req)]
+        hits = {}
+        for name, prompt in prompts.items():
+            req = GenerateRequest(f"vret-{name}-child", [*prompt, *_ids(rng, bs)], 1)
+            chunks = [c async for c in engine.generate(req)]
+            hits[name] = chunks[-1].num_cached_tokens
+        assert hits == {"kept": 6 * bs, "plain": 0}
     finally:
         await engine.close()
 

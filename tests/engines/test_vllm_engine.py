@@ -139,3 +139,28 @@ async def test_cancelling_the_stream_aborts_the_request(vllm_engine: VLLMEngine)
     async for _chunk in vllm_engine.generate(GenerateRequest("ab-2", prompt, max_tokens=16)):
         running.append((await vllm_engine.stats()).num_running)
     assert running and max(running[2:]) == 1, running
+
+
+async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLMEngine) -> None:
+    """wasma's retaining scheduler (engines/vllm_retention.py) in a real engine: a
+    request's KV kept under a lease survives more fresh prefill than the pool holds; the
+    same KV without a lease, or with a lapsed one, is evicted in LRU order."""
+    bs, vocab = vllm_engine.block_size, vllm_engine.vocab_size
+    prompts = {name: _prompt(40 + i, 6 * bs, vocab) for i, name in enumerate("KLP")}
+    leases = {"K": 600.0, "L": 0.2, "P": 0.0}
+    for name, prompt in prompts.items():
+        req = GenerateRequest(f"ret-{name}", prompt, max_tokens=1, retain_s=leases[name])
+        await _collect(vllm_engine, req)
+    await asyncio.sleep(0.5)  # L's lease lapses
+    # Churn, one request at a time: ordinary free blocks never run out, so LRU alone
+    # decides what goes, and in all more fresh blocks pass through than the pool holds.
+    per = (vllm_engine.config.max_model_len - bs) // bs
+    for i in range(vllm_engine.num_kv_blocks // per + 2):
+        churn = _prompt(1000 + i, per * bs, vocab)
+        await _collect(vllm_engine, GenerateRequest(f"churn-{i}", churn, max_tokens=1))
+    hits = {}
+    for name, prompt in prompts.items():
+        child = [*prompt, *_prompt(50, bs, vocab)]
+        chunks = await _collect(vllm_engine, GenerateRequest(f"ret-{name}-child", child, 1))
+        hits[name] = chunks[0].num_cached_tokens
+    assert hits == {"K": 6 * bs, "L": 0, "P": 0}

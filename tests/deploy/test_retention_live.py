@@ -1,0 +1,57 @@
+"""The router turns a policy's `retain` into a KV retention lease on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from deploy.metadata import WorkflowIdentity
+from deploy.router_service import RouterService, ServiceRequest
+from engines.base import GenerateRequest, TokenChunk
+from engines.sim.profile import load_profile
+from engines.sim_engine import SimEngine
+from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from scheduler.registry import PolicyRegistry
+
+PROFILE = load_profile("llama3-8b-h100")
+
+
+class _RetainsPlanners(Policy):
+    """Asks engines to keep the planner's KV (its workers will extend it), nothing else."""
+
+    name = "retains_planners"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        return Placement(engine=0, kind=PlacementKind.RECOMPUTE, retain=req.node_id == "plan")
+
+
+class _Recording(SimEngine):
+    def __init__(self) -> None:
+        super().__init__("s0", PROFILE, speed=100.0)
+        self.seen: list[GenerateRequest] = []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        self.seen.append(request)
+        async for chunk in super().generate(request):
+            yield chunk
+
+
+async def test_a_retained_placement_asks_the_engine_for_a_lease() -> None:
+    reg = PolicyRegistry()
+    reg.register(_RetainsPlanners.name, _RetainsPlanners)
+    engine = _Recording()
+    svc = RouterService(
+        [engine], PROFILE, policy=_RetainsPlanners.name, registry=reg, retain_lease_s=45.0
+    )
+    await svc.start()
+    try:
+        for node in ("plan", "work"):
+            ident = WorkflowIdentity(workflow_id="wf", node_id=node)
+            await svc.complete(ServiceRequest(f"r-{node}", [11] * 64, 4, ident))
+        assert [(r.request_id, r.retain_s) for r in engine.seen] == [
+            ("r-plan", 45.0),
+            ("r-work", 0.0),
+        ]
+        # The engine keeps the planner's cached blocks in its retention tier.
+        assert engine.core.kv.retained
+    finally:
+        await svc.close()
