@@ -87,6 +87,8 @@ class ServiceConfig:
     health_timeout_s: float = 5.0
     max_failovers: int = 3
     router_max_restarts: int = 3
+    # How long engines keep the KV of a request the policy marks `retain` (a lease).
+    retain_lease_s: float = 120.0
 
 
 def resolve_profile(cfg: ServiceConfig) -> Profile:
@@ -209,6 +211,7 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
         request_timeout_s=cfg.request_timeout_s,
         health_timeout_s=cfg.health_timeout_s,
         max_failovers=cfg.max_failovers,
+        retain_lease_s=cfg.retain_lease_s,
         journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
         pricer=transfer_pricer(cfg, engines),
     )

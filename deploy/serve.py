@@ -64,7 +64,8 @@ def load_api_keys(path: str | None, env: Mapping[str, str]) -> tuple[str, ...]:
 def load_config_file(path: str | None) -> dict[str, Any]:
     """`--config FILE` (YAML): `params` (policy parameters), `sim_speed`,
     `max_outstanding`, `engine_options`, `kv_events`, `kv_transfer` (as `--kv-transfer`),
-    `gateway` (GatewayConfig fields),
+    `retain_lease_s` (how long engines keep KV the policy retains), `gateway` (GatewayConfig
+    fields),
     `reliability` (ServiceConfig's fault-handling fields: `journal`, `request_timeout_s`,
     `health_timeout_s`, `max_failovers`, `router_max_restarts`), `calibration` (`false`
     turns live cost calibration off; a mapping sets CalibrationConfig's fields; applied
@@ -90,6 +91,7 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         "gateway",
         "reliability",
         "calibration",
+        "retain_lease_s",
     }
     unknown = set(data) - known
     if unknown:
@@ -258,6 +260,7 @@ def serve_main(args: argparse.Namespace) -> int:
         kv_events=kv_events,
         kv_transfer=kv_transfer,
         engine_options=file_cfg.get("engine_options", {}),
+        retain_lease_s=_lease(file_cfg.get("retain_lease_s", 120.0)),
         **_reliability(file_cfg.get("reliability") or {}),
     )
     from scheduler.registry import default_registry
@@ -324,6 +327,16 @@ _RELIABILITY_KEYS = {
     "max_failovers": int,
     "router_max_restarts": int,
 }
+
+
+def _lease(value: Any) -> float:
+    try:
+        lease = float(value)
+    except (TypeError, ValueError):
+        lease = float("nan")
+    if isinstance(value, bool) or not 0 < lease <= 3600:
+        raise ConfigError(f"--config retain_lease_s: expected seconds in (0, 3600], got {value!r}")
+    return lease
 
 
 def _reliability(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -382,3 +382,16 @@ def test_serve_bad_policy_parameter_fails_before_the_server_starts(
     assert err.startswith("wasma: error: --config params: policy 'wasma'")
     assert len(err.splitlines()) == 1
     assert re.search(pattern, err)
+
+
+@pytest.mark.parametrize("lease", [0, -5, "soon", True, 1e6])
+def test_serve_bad_retention_lease_fails_before_the_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lease: object
+) -> None:
+    cfg = tmp_path / "serve.json"
+    cfg.write_text(json.dumps({"retain_lease_s": lease}))
+    argv = ["serve", "--engines", "sim:1", "--router-in-process", "--config", str(cfg)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("wasma: error: --config retain_lease_s: expected seconds")
+    assert len(err.splitlines()) == 1

@@ -55,3 +55,14 @@ async def test_a_retained_placement_asks_the_engine_for_a_lease() -> None:
         assert engine.core.kv.retained
     finally:
         await svc.close()
+
+
+async def test_the_config_lease_reaches_the_router() -> None:
+    from deploy.build import EngineSpec, ServiceConfig, build_service
+
+    cfg = ServiceConfig(engines=EngineSpec.parse("sim:1"), retain_lease_s=30.0)
+    svc = await build_service(cfg)
+    try:
+        assert svc.retain_lease_s == 30.0
+    finally:
+        await svc.close()
