@@ -25,7 +25,8 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   would otherwise admit it and preempt when running requests outgrow the pool; held
   work is offered again, most urgent first, whenever a request finishes;
 - retention: nodes whose context descendants will extend are flagged so the engine
-  evicts that KV last (honoured by the simulator's KV cache; vLLM engines do not yet);
+  evicts that KV last (the simulator's KV cache; in vLLM, wasma's retention scheduler,
+  engines/vllm_retention.py, under a lease the router asks for);
 - shared hosts: engines whose compute is one host's CPU cores slow each other while
   both are busy (`Profile.host_contention`), so waking an idle engine beside a busy one
   is priced as what it costs both, not as free parallelism.
