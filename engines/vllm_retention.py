@@ -22,6 +22,7 @@ own, install wasma beside it and start it with
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from engines.base import RETAIN_ARG
+
+# Under vLLM's logger, so that the engine process prints it with vLLM's own messages.
+log = logging.getLogger("vllm.wasma_retention")
 
 # The longest lease honoured: a day is a typo, not a workflow.
 MAX_LEASE_S = 3600.0
@@ -238,9 +242,15 @@ class WasmaScheduler:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        if config.scheduler_config.async_scheduling:
-            return RetainingAsyncScheduler(*args, **kwargs)
-        return RetainingScheduler(*args, **kwargs)
+        chosen = (
+            RetainingAsyncScheduler
+            if config.scheduler_config.async_scheduling
+            else RetainingScheduler
+        )
+        # vLLM warns about any custom scheduler that async scheduling may be lost; say
+        # which base this one took so that warning can be read correctly.
+        log.info("wasma KV retention on vLLM's %s", chosen.__mro__[2].__name__)
+        return chosen(*args, **kwargs)
 
 
 SCHEDULER_CLS = f"{WasmaScheduler.__module__}.{WasmaScheduler.__qualname__}"
