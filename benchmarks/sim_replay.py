@@ -102,6 +102,7 @@ class SimReplay:
         fast_forward: bool = True,
         engine_policy: str = "priority",
         index_cap: int = 4_000_000,
+        retain_lease_s: float = 120.0,
     ) -> None:
         if num_engines <= 0:
             raise ValueError("need at least one engine")
@@ -138,7 +139,15 @@ class SimReplay:
         self._meta: dict[str, tuple[Workflow, str, str, int]] = {}
         self._left: dict[str, int] = {}
         self._arrival: dict[str, float] = {}
-        self._retained: dict[str, list[tuple[int, list[int]]]] = {}
+        # KV retention as the live router asks vLLM for it (engines/vllm_retention.py):
+        # a request the policy marks `retain` has its chain kept behind every ordinary
+        # free block on its engine from placement until `retain_lease_s` (simulated)
+        # seconds after it finishes.
+        self.retain_lease_s = retain_lease_s
+        self._retain: dict[str, tuple[int, list[int]]] = {}  # request id -> (engine, chain)
+        # (end, seq, engine, chain): kept apart from the event heap, so that a lease still
+        # running never counts as work that could free capacity for held requests.
+        self._leases: list[tuple[float, int, int, list[int]]] = []
         self._macro: set[int] = set()  # engines in a macro step, synced before decisions
         # Requests the policy held back (deadline-aware admission), by priority.
         self._held: list[tuple[int, int, Workflow, str, float]] = []
@@ -214,7 +223,7 @@ class SimReplay:
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
         if placement.retain:
             self.engines[placement.engine].kv.retain(full)
-            self._retained.setdefault(wf.workflow_id, []).append((placement.engine, full))
+            self._retain[rid] = (placement.engine, full)
         moved = 0
         self._meta[rid] = (wf, node_id, placement.kind.value, 0)
         if placement.transfer is not None and placement.transfer.num_blocks > 0:
@@ -232,6 +241,11 @@ class SimReplay:
 
     def _on_finished(self, slot: int, req: SimRequest, now: float) -> None:
         wf, node_id, kind, moved = self._meta.pop(req.request_id)
+        kept = self._retain.pop(req.request_id, None)
+        if kept is not None:
+            end = now + self.retain_lease_s
+            heapq.heappush(self._leases, (end, self._seq, kept[0], kept[1]))
+            self._seq += 1
         submit = self._arrival.pop(req.request_id, req.arrival_time)
         self.records.append(
             RequestRecord(
@@ -254,8 +268,6 @@ class SimReplay:
         self._left[wf.workflow_id] -= 1
         if self._left[wf.workflow_id] == 0:
             del self._left[wf.workflow_id]
-            for slot_kept, hashes in self._retained.pop(wf.workflow_id, []):
-                self.engines[slot_kept].kv.release(hashes)
             arrival = wf.arrival_s / self.rate_scale
             self.wf_records.append(
                 WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
@@ -292,8 +304,14 @@ class SimReplay:
         heap = self._heap
         scale = self.rate_scale
         engines, state, router = self.engines, self.ctx.state, self.router
+        leases = self._leases
         while i < n or heap:
             next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
+            if leases and leases[0][0] <= min(next_arrival, heap[0][0] if heap else next_arrival):
+                end, _seq, slot, hashes = heapq.heappop(leases)
+                engines[slot].sync(end)  # a macro step brings its KV up to the lease's end
+                engines[slot].kv.release(hashes)
+                continue
             if heap and heap[0][0] <= next_arrival:
                 now, _seq, kind, payload = heapq.heappop(heap)
                 if kind == _STEP:

@@ -170,22 +170,23 @@ class SimEngine(EngineClient):
             if done:
                 p.finished = True
                 del self._pending[req.request_id]
-                if p.retain_s > 0:
-                    self._grant_lease(req, p.retain_s)
+                self._lease(p)
         for req in out.finished:
             p = self._pending.pop(req.request_id, None)
             if p is not None and not p.finished:
                 # Aborted or finished without a token in this step (an abort mid-prefill).
                 p.finished = True
+                self._lease(p)
                 p.queue.put_nowait(TokenChunk((), True, "abort"))
 
-    def _grant_lease(self, req: SimRequest, seconds: float) -> None:
-        """Keep a finished request's cached blocks behind every ordinary free block."""
-        hashes = req.block_hashes[: req.num_tokens // self.block_size]
-        self.core.kv.retain(hashes)
-        end = self._now() + seconds * self._speed
-        heapq.heappush(self._leases, (end, self._lease_seq, hashes))
+    def _lease(self, p: _Pending) -> None:
+        """The request has left: its retention (from its arrival) ends after its lease."""
+        if p.retain_s <= 0:
+            return
+        end = self._now() + p.retain_s * self._speed
+        heapq.heappush(self._leases, (end, self._lease_seq, p.req.block_hashes))
         self._lease_seq += 1
+        p.retain_s = 0.0  # once
 
     def _end_leases(self) -> None:
         now = self._now()
@@ -209,6 +210,11 @@ class SimEngine(EngineClient):
         )
         self.core.add_request(req, self._now())  # raises ValueError past max_model_len
         pending = _Pending(req, output, retain_s=request.retain_s)
+        if request.retain_s > 0:
+            # As wasma's vLLM scheduler does: from arrival (the cached prefix it will hit)
+            # until the lease after it finishes (all of its blocks), kept behind every
+            # ordinary free block.
+            self.core.kv.retain(hashes)
         self._pending[request.request_id] = pending
         if self.core.busy:
             self.core.interrupt(self._now())
@@ -227,6 +233,7 @@ class SimEngine(EngineClient):
                 # The consumer went away (client disconnect, cancellation): free the seat.
                 self._pending.pop(request.request_id, None)
                 self.core.abort(request.request_id)
+                self._lease(pending)
                 self._wake()
 
     async def stats(self) -> EngineStats:

@@ -7,8 +7,9 @@ the child recomputes it. The router knows better (the policy's `Placement.retain
 tags such a request with `vllm_xargs={"wasma_retain_s": S}` (`SamplingParams.extra_args`).
 
 `RetainingScheduler` (and `RetainingAsyncScheduler`, for engines with async scheduling)
-is vLLM's scheduler with a second tier in the free-block queue: when a tagged request
-finishes, its blocks are retained for S seconds. Free retained blocks are handed out only
+is vLLM's scheduler with a second tier in the free-block queue. A tagged request's blocks
+are retained from its arrival (the cached prefix it will hit, which its parent left) until
+S seconds after it finishes (all of its blocks). Free retained blocks are handed out only
 after every ordinary free block, front first, as the simulator's retention tier does
 (`engines/sim/kv_cache.py`). Retention is a lease, not a pin: the blocks stay free and
 evictable (vLLM never runs short because of it), and a lease that nobody renews lapses on
@@ -124,6 +125,14 @@ class TieredFreeQueue:
         # Content-less blocks, reused first: never retained.
         self.plain.prepend_n(blocks)
 
+    def keep(self, block: KVCacheBlock) -> None:
+        """A block just retained: if it is free in the ordinary queue, move it to the back
+        of the retention tier (every free block is in one of the two queues)."""
+        if block.ref_cnt == 0 and not block.is_null and block.block_id not in self.kept_ids:
+            self.plain.remove(block)
+            self.kept.append(block)
+            self.kept_ids.add(block.block_id)
+
     def release(self, block: KVCacheBlock) -> None:
         """A lapsed lease: a free retained block rejoins the ordinary queue's back."""
         if block.block_id in self.kept_ids:
@@ -148,12 +157,42 @@ class TieredFreeQueue:
 
 
 class RetentionLeases:
-    """The leases: block id -> when its retention lapses (monotonic seconds)."""
+    """Which blocks are retained: those a request that asked for retention still waits or
+    runs on (a hold), and those whose lease has not lapsed (block id -> when it does,
+    monotonic seconds)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.until: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
         self._clock = clock
+        self.held: dict[int, int] = {}  # block id -> requests holding it
+        self._holds: dict[str, list[tuple[int, int]]] = {}  # request -> (block id, epoch)
+        # A block's epoch moves on when it is reused for other content, so a request's
+        # hold on what the block held before is not a hold on what it holds now.
+        self._epoch: dict[int, int] = {}
+
+    def hold(self, request_id: str, block_ids: list[int]) -> None:
+        """Retain these blocks for as long as the request is in the engine."""
+        self.release_hold(request_id)
+        epoch = self._epoch
+        self._holds[request_id] = [(bid, epoch.get(bid, 0)) for bid in block_ids]
+        for bid in block_ids:
+            self.held[bid] = self.held.get(bid, 0) + 1
+
+    def release_hold(self, request_id: str) -> list[int]:
+        """End the request's hold; returns the block ids no request holds any more."""
+        epoch = self._epoch
+        dropped: list[int] = []
+        for bid, ep in self._holds.pop(request_id, ()):
+            if epoch.get(bid, 0) != ep:
+                continue
+            n = self.held.get(bid, 0) - 1
+            if n > 0:
+                self.held[bid] = n
+            else:
+                self.held.pop(bid, None)
+                dropped.append(bid)
+        return dropped
 
     def grant(self, block_ids: list[int], seconds: float) -> None:
         until = self._clock() + seconds
@@ -163,17 +202,27 @@ class RetentionLeases:
                 heapq.heappush(self._heap, (until, bid))
 
     def holds(self, block: KVCacheBlock) -> bool:
+        if block.block_id in self.held:
+            return True
         until = self.until.get(block.block_id)
         return until is not None and until > self._clock()
 
     def forget(self, blocks: list[KVCacheBlock]) -> None:
-        if self.until:
+        """These blocks were handed out for new content: nothing retains them now."""
+        if self.until or self.held:
+            epoch = self._epoch
             for b in blocks:
-                self.until.pop(b.block_id, None)
+                bid = b.block_id
+                self.until.pop(bid, None)
+                if self.held.pop(bid, None) is not None:
+                    epoch[bid] = epoch.get(bid, 0) + 1
 
     def clear(self) -> None:
         self.until.clear()
         self._heap.clear()
+        self.held.clear()
+        self._holds.clear()
+        self._epoch.clear()
 
     def lapsed(self) -> list[int]:
         """Block ids whose lease has ended since the last call."""
@@ -184,8 +233,14 @@ class RetentionLeases:
             until, bid = heapq.heappop(heap)
             if self.until.get(bid) == until:  # else renewed, or reused since
                 del self.until[bid]
-                out.append(bid)
+                if bid not in self.held:
+                    out.append(bid)
         return out
+
+
+def _lease(request: Request) -> float:
+    params = request.sampling_params
+    return retain_seconds(params.extra_args if params is not None else None)
 
 
 class _RetentionMixin:
@@ -202,13 +257,42 @@ class _RetentionMixin:
         )
         pool.free_block_queue = self.wasma_free_queue
 
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        if _lease(request) > 0 and self.kv_cache_manager.block_pool.enable_caching:
+            # The prefix it will hit is already cached (its parent's context): keep it
+            # while the request waits, as well as after it finishes.
+            ids = self._cached_prefix(request)
+            self.wasma_retention.hold(request.request_id, ids)
+            blocks = self.kv_cache_manager.block_pool.blocks
+            for bid in ids:
+                self.wasma_free_queue.keep(blocks[bid])
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the request's longest cached prefix; no side effects (vLLM's own
+        lookup would count it in the prefix-cache statistics)."""
+        pool = self.kv_cache_manager.block_pool
+        groups = list(range(self.kv_cache_manager.num_kv_cache_groups))
+        ids: list[int] = []
+        for block_hash in request.block_hashes:
+            blocks = pool.get_cached_block(block_hash, groups)
+            if blocks is None:
+                break
+            ids.extend(b.block_id for b in blocks)
+        return ids
+
     def _free_blocks(self, request: Request) -> None:
-        params = request.sampling_params
-        seconds = retain_seconds(params.extra_args if params is not None else None)
+        seconds = _lease(request)
         if seconds > 0 and self.kv_cache_manager.block_pool.enable_caching:
             groups = self.kv_cache_manager.get_block_ids(request.request_id)
             ids = [bid for group in groups for bid in group]
             self.wasma_retention.grant(ids, seconds)
+        dropped = self.wasma_retention.release_hold(request.request_id)
+        if dropped:  # free ones that nothing retains now rejoin the ordinary queue
+            blocks = self.kv_cache_manager.block_pool.blocks
+            for bid in dropped:
+                if not self.wasma_retention.holds(blocks[bid]):
+                    self.wasma_free_queue.release(blocks[bid])
         super()._free_blocks(request)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

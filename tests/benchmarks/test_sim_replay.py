@@ -196,3 +196,29 @@ def test_summary_of_an_empty_run(result_fields: dict[str, type]) -> None:
     row = summarize(run, "t")
     assert set(result_fields) <= set(row)
     assert row["goodput_wf_per_s"] == 0.0 and row["deadline_attainment"] == 0.0
+
+
+@pytest.mark.parametrize(("lease_s", "kept_at_end"), [(10.0, False), (1000.0, True)])
+def test_retention_lasts_the_lease_after_the_request_finishes(
+    lease_s: float, kept_at_end: bool
+) -> None:
+    """As the live router's lease to vLLM: the planner's KV (its worker extends it) is
+    retained from placement until `retain_lease_s` after it finishes."""
+    from scheduler.workflow import ContextOf
+
+    plan = Workflow.create(
+        "w1",
+        "x",
+        0.0,
+        60.0,
+        [
+            Node("plan", (), 32, (Unique(600),)),
+            Node("work", ("plan",), 32, (ContextOf("plan"), Unique(100))),
+        ],
+    )
+    # Arrives long after the first workflow is done; it retains nothing (no children).
+    later = Workflow.create("w2", "x", 200.0, 60.0, [Node("a", (), 8, (Unique(300),))])
+    replay = SimReplay([plan, later], "wasma", 1, PROFILE, retain_lease_s=lease_s)
+    run = replay.run()
+    assert len(run.requests) == 3
+    assert bool(replay.engines[0].kv.retained) is kept_at_end

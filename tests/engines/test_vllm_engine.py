@@ -161,6 +161,8 @@ async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLM
     hits = {}
     for name, prompt in prompts.items():
         child = [*prompt, *_prompt(50, bs, vocab)]
-        chunks = await _collect(vllm_engine, GenerateRequest(f"ret-{name}-child", child, 1))
+        # Leased too: the engine holds the cached prefix it will hit from its arrival.
+        req = GenerateRequest(f"ret-{name}-child", child, 1, retain_s=1.0)
+        chunks = await _collect(vllm_engine, req)
         hits[name] = chunks[0].num_cached_tokens
     assert hits == {"K": 6 * bs, "L": 0, "P": 0}

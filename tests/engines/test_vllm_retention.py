@@ -166,3 +166,39 @@ def test_the_engines_name_the_scheduler_that_exists() -> None:
     from engines.vllm_retention import SCHEDULER_CLS
 
     assert RETAINING_SCHEDULER == SCHEDULER_CLS
+
+
+def test_a_hold_moves_a_free_block_behind_the_ordinary_queue_until_released() -> None:
+    pool, queue, leases, _ = _pool(8)
+    prefix = _cached(pool, 2, b"h")
+    pool.free_blocks(reversed(prefix))  # a parent's context, freed without a lease
+    assert queue.kept.num_free_blocks == 0
+    leases.hold("child", _ids(prefix))  # its child arrives and will hit it
+    for b in prefix:
+        queue.keep(b)
+    assert queue.kept.num_free_blocks == 2
+    assert not set(_ids(prefix)) & set(_ids(pool.get_new_blocks(5)))  # churn passes by
+    assert sorted(leases.release_hold("child")) == sorted(_ids(prefix))
+    assert leases.release_hold("child") == []  # once
+
+
+def test_a_hold_outlasts_a_lease_on_the_same_block() -> None:
+    _, _, leases, clock = _pool(6)
+    leases.grant([1], 5.0)
+    leases.hold("r", [1, 2])
+    clock.t += 10.0
+    assert leases.lapsed() == []  # still held: nothing to release
+    block = KVCacheBlock(1)
+    assert leases.holds(block)
+    assert leases.release_hold("r") == [1, 2]
+    assert not leases.holds(block)
+
+
+def test_a_reused_block_is_no_longer_held_by_the_request_that_held_its_old_content() -> None:
+    _, _, leases, _ = _pool(6)
+    leases.hold("old", [3])
+    leases.forget([KVCacheBlock(3)])  # handed out for new content
+    leases.hold("new", [3])
+    assert leases.release_hold("old") == []  # does not end the new hold
+    assert leases.holds(KVCacheBlock(3))
+    assert leases.release_hold("new") == [3]
