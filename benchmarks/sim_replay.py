@@ -141,10 +141,12 @@ class SimReplay:
         self._arrival: dict[str, float] = {}
         # KV retention as the live router asks vLLM for it (engines/vllm_retention.py):
         # a request the policy marks `retain` has its chain kept behind every ordinary
-        # free block on its engine from placement until `retain_lease_s` (simulated)
-        # seconds after it finishes.
+        # free block on its engine from placement until the lease the policy sized
+        # (`Placement.retain_s`; else `retain_lease_s`), in simulated seconds, after it
+        # finishes.
         self.retain_lease_s = retain_lease_s
-        self._retain: dict[str, tuple[int, list[int]]] = {}  # request id -> (engine, chain)
+        # request id -> (engine, chain, lease)
+        self._retain: dict[str, tuple[int, list[int], float]] = {}
         # (end, seq, engine, chain): kept apart from the event heap, so that a lease still
         # running never counts as work that could free capacity for held requests.
         self._leases: list[tuple[float, int, int, list[int]]] = []
@@ -223,7 +225,8 @@ class SimReplay:
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
         if placement.retain:
             self.engines[placement.engine].kv.retain(full)
-            self._retain[rid] = (placement.engine, full)
+            lease = self.retain_lease_s if placement.retain_s is None else placement.retain_s
+            self._retain[rid] = (placement.engine, full, lease)
         moved = 0
         self._meta[rid] = (wf, node_id, placement.kind.value, 0)
         if placement.transfer is not None and placement.transfer.num_blocks > 0:
@@ -243,7 +246,7 @@ class SimReplay:
         wf, node_id, kind, moved = self._meta.pop(req.request_id)
         kept = self._retain.pop(req.request_id, None)
         if kept is not None:
-            end = now + self.retain_lease_s
+            end = now + kept[2]
             heapq.heappush(self._leases, (end, self._seq, kept[0], kept[1]))
             self._seq += 1
         submit = self._arrival.pop(req.request_id, req.arrival_time)

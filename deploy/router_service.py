@@ -354,9 +354,9 @@ class RouterService:
         self._held_ids: set[str] = set()
         self.held_total = 0  # requests that waited at the router before going live
         self.held_recheck_s = held_recheck_s
-        # How long an engine keeps the KV of a request the policy marks `retain` (a lease
-        # each such request of the workflow renews for its own blocks; it lapses by itself
-        # if the router goes away). The simulator keeps it until the workflow completes.
+        # How long after it finishes an engine keeps the KV of a request the policy marks
+        # `retain`, when the policy does not size the lease itself (`Placement.retain_s`).
+        # A lease lapses by itself if the router goes away. The simulator keeps the same.
         self.retain_lease_s = retain_lease_s
         # Live workflows (no registered DAG): key -> [outstanding requests, last activity].
         self._open_wf: dict[str, list[float]] = {}
@@ -709,7 +709,7 @@ class RouterService:
             temperature=req.temperature,
             extra=req.extra,
             kv_transfer=kv_transfer,
-            retain_s=self.retain_lease_s if placement.retain else 0.0,
+            retain_s=((placement.retain_s or self.retain_lease_s) if placement.retain else 0.0),
         )
         try:
             gen = engine.generate(greq)

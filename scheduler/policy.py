@@ -54,8 +54,11 @@ class Placement:
     priority: int = 0  # lower runs first (vLLM priority scheduling)
     hit_blocks: int = 0  # prompt blocks expected to be reused there (after any transfer)
     transfer: TransferOrder | None = None
-    # Keep this request's context KV until its workflow ends: descendants will reuse it.
+    # Keep this request's context KV: descendants will reuse it. Engines keep it from the
+    # request's arrival until `retain_s` after it finishes (None: the driver's default
+    # lease), evicting it after every block not kept.
     retain: bool = False
+    retain_s: float | None = None
     # Hold the request at the router and ask again when load drops (only when the
     # driver supports it: PolicyContext.can_defer). Nothing is dispatched or charged.
     defer: bool = False

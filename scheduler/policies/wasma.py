@@ -52,6 +52,21 @@ _HOPELESS = 1_000_000
 _PRIORITY_STEP_S = 0.05
 
 
+# A retention lease lasts twice the node's remaining critical path alone (the deadline
+# slack the apps use): long enough for the descendants that reuse its context to start
+# under load, short enough that a finished workflow's KV does not outlive its use and push
+# other cached prefixes out first. A lease never ends before a second or after ten minutes.
+_LEASE_PER_REMAINING = 2.0
+_LEASE_MIN_S, _LEASE_MAX_S = 1.0, 600.0
+
+
+def _lease_s(remaining: float | None) -> float | None:
+    """How long after a node finishes its KV is worth keeping (None: unknown)."""
+    if remaining is None:
+        return None
+    return min(max(_LEASE_PER_REMAINING * remaining, _LEASE_MIN_S), _LEASE_MAX_S)
+
+
 class Wasma(Policy):
     name = "wasma"
     reads_inflight = True
@@ -396,5 +411,6 @@ class Wasma(Policy):
             hit_blocks=hit,
             transfer=transfer,
             retain=bool(p["retain"]) and reused,
+            retain_s=_lease_s(remaining) if reused else None,
             estimated_finish_s=now + est,
         )

@@ -198,14 +198,29 @@ def test_summary_of_an_empty_run(result_fields: dict[str, type]) -> None:
     assert row["goodput_wf_per_s"] == 0.0 and row["deadline_attainment"] == 0.0
 
 
-@pytest.mark.parametrize(("lease_s", "kept_at_end"), [(10.0, False), (1000.0, True)])
+@pytest.mark.parametrize(
+    ("policy_lease", "default_lease", "kept_at_end"),
+    [(None, 10.0, False), (None, 1000.0, True), (5.0, 1000.0, False), (500.0, 10.0, True)],
+)
 def test_retention_lasts_the_lease_after_the_request_finishes(
-    lease_s: float, kept_at_end: bool
+    policy_lease: float | None, default_lease: float, kept_at_end: bool
 ) -> None:
     """As the live router's lease to vLLM: the planner's KV (its worker extends it) is
-    retained from placement until `retain_lease_s` after it finishes."""
+    retained from placement until the lease after it finishes: the policy's, or else the
+    driver's default."""
+    from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+    from scheduler.registry import PolicyRegistry
     from scheduler.workflow import ContextOf
 
+    class Retains(Policy):
+        name = "retains"
+
+        def place(self, req: RequestInfo, now: float) -> Placement:
+            keep = req.node_id == "plan"
+            return Placement(0, PlacementKind.RECOMPUTE, retain=keep, retain_s=policy_lease)
+
+    reg = PolicyRegistry()
+    reg.register(Retains.name, Retains)
     plan = Workflow.create(
         "w1",
         "x",
@@ -216,9 +231,20 @@ def test_retention_lasts_the_lease_after_the_request_finishes(
             Node("work", ("plan",), 32, (ContextOf("plan"), Unique(100))),
         ],
     )
-    # Arrives long after the first workflow is done; it retains nothing (no children).
+    # Arrives long after the first workflow is done; it retains nothing.
     later = Workflow.create("w2", "x", 200.0, 60.0, [Node("a", (), 8, (Unique(300),))])
-    replay = SimReplay([plan, later], "wasma", 1, PROFILE, retain_lease_s=lease_s)
+    replay = SimReplay(
+        [plan, later], Retains.name, 1, PROFILE, registry=reg, retain_lease_s=default_lease
+    )
     run = replay.run()
     assert len(run.requests) == 3
     assert bool(replay.engines[0].kv.retained) is kept_at_end
+
+
+def test_wasma_sizes_the_lease_to_the_work_left_after_the_node() -> None:
+    from scheduler.policies.wasma import _lease_s
+
+    assert _lease_s(None) is None
+    assert _lease_s(0.1) == 1.0  # never under a second
+    assert _lease_s(12.0) == 24.0
+    assert _lease_s(1e6) == 600.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
+
 from deploy.metadata import WorkflowIdentity
 from deploy.router_service import RouterService, ServiceRequest
 from engines.base import GenerateRequest, TokenChunk
@@ -19,9 +21,16 @@ class _RetainsPlanners(Policy):
     """Asks engines to keep the planner's KV (its workers will extend it), nothing else."""
 
     name = "retains_planners"
+    lease: float | None = None  # None: the router's default
 
     def place(self, req: RequestInfo, now: float) -> Placement:
-        return Placement(engine=0, kind=PlacementKind.RECOMPUTE, retain=req.node_id == "plan")
+        keep = req.node_id == "plan"
+        return Placement(0, PlacementKind.RECOMPUTE, retain=keep, retain_s=self.lease)
+
+
+class _SizesLeases(_RetainsPlanners):
+    name = "sizes_leases"
+    lease = 7.0
 
 
 class _Recording(SimEngine):
@@ -35,20 +44,21 @@ class _Recording(SimEngine):
             yield chunk
 
 
-async def test_a_retained_placement_asks_the_engine_for_a_lease() -> None:
+@pytest.mark.parametrize(("policy", "lease"), [(_RetainsPlanners, 45.0), (_SizesLeases, 7.0)])
+async def test_a_retained_placement_asks_the_engine_for_a_lease(
+    policy: type[_RetainsPlanners], lease: float
+) -> None:
     reg = PolicyRegistry()
-    reg.register(_RetainsPlanners.name, _RetainsPlanners)
+    reg.register(policy.name, policy)
     engine = _Recording()
-    svc = RouterService(
-        [engine], PROFILE, policy=_RetainsPlanners.name, registry=reg, retain_lease_s=45.0
-    )
+    svc = RouterService([engine], PROFILE, policy=policy.name, registry=reg, retain_lease_s=45.0)
     await svc.start()
     try:
         for node in ("plan", "work"):
             ident = WorkflowIdentity(workflow_id="wf", node_id=node)
             await svc.complete(ServiceRequest(f"r-{node}", [11] * 64, 4, ident))
         assert [(r.request_id, r.retain_s) for r in engine.seen] == [
-            ("r-plan", 45.0),
+            ("r-plan", lease),
             ("r-work", 0.0),
         ]
         # The engine keeps the planner's cached blocks in its retention tier.
