@@ -210,14 +210,15 @@ class SimEngine(EngineClient):
         )
         self.core.add_request(req, self._now())  # raises ValueError past max_model_len
         pending = _Pending(req, output, retain_s=request.retain_s)
-        if request.retain_s > 0:
-            # As wasma's vLLM scheduler does: from arrival (the cached prefix it will hit)
-            # until the lease after it finishes (all of its blocks), kept behind every
-            # ordinary free block.
-            self.core.kv.retain(hashes)
         self._pending[request.request_id] = pending
         if self.core.busy:
             self.core.interrupt(self._now())
+        if request.retain_s > 0:
+            # As wasma's vLLM scheduler does: from arrival (the cached prefix it will hit)
+            # until the lease after it finishes (all of its blocks), kept behind every
+            # ordinary free block. A macro step's KV is brought up to now first.
+            self.core.sync(self._now())
+            self.core.kv.retain(hashes)
         self._wake()
         try:
             while True:
