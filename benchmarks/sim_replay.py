@@ -246,8 +246,8 @@ class SimReplay:
         wf, node_id, kind, moved = self._meta.pop(req.request_id)
         kept = self._retain.pop(req.request_id, None)
         if kept is not None:
-            end = now + kept[2]
-            heapq.heappush(self._leases, (end, self._seq, kept[0], kept[1]))
+            engine, chain, lease = kept
+            heapq.heappush(self._leases, (now + lease, self._seq, engine, chain))
             self._seq += 1
         submit = self._arrival.pop(req.request_id, req.arrival_time)
         self.records.append(

@@ -37,6 +37,7 @@ from deploy.build import (
 from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
 from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engines.base import MAX_RETAIN_S
 from scheduler.calibration import CalibrationConfig
 
 log = logging.getLogger(__name__)
@@ -334,8 +335,10 @@ def _lease(value: Any) -> float:
         lease = float(value)
     except (TypeError, ValueError):
         lease = float("nan")
-    if isinstance(value, bool) or not 0 < lease <= 3600:
-        raise ConfigError(f"--config retain_lease_s: expected seconds in (0, 3600], got {value!r}")
+    if isinstance(value, bool) or not 0 < lease <= MAX_RETAIN_S:
+        raise ConfigError(
+            f"--config retain_lease_s: expected seconds in (0, {MAX_RETAIN_S:g}], got {value!r}"
+        )
     return lease
 
 

@@ -356,7 +356,7 @@ class OpenAIEngine(EngineClient):
                 body[key] = request.extra[key]
         if request.retain_s > 0:
             # Read by wasma's retaining scheduler (`--scheduler-cls
-            # engines.vllm_retention.RetainingScheduler`); other servers ignore it.
+            # engines.vllm_retention.WasmaScheduler`); other servers ignore it.
             body["vllm_xargs"] = {RETAIN_ARG: request.retain_s}
         return body
 

@@ -33,13 +33,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from engines.base import RETAIN_ARG
+from engines.base import MAX_RETAIN_S, RETAIN_ARG
 
 # Under vLLM's logger, so that the engine process prints it with vLLM's own messages.
 log = logging.getLogger("vllm.wasma_retention")
-
-# The longest lease honoured: a day is a typo, not a workflow.
-MAX_LEASE_S = 3600.0
 
 
 def retain_seconds(extra_args: dict[str, Any] | None) -> float:
@@ -51,7 +48,7 @@ def retain_seconds(extra_args: dict[str, Any] | None) -> float:
         return 0.0
     if not value > 0:  # also rejects NaN
         return 0.0
-    return min(float(value), MAX_LEASE_S)
+    return min(float(value), MAX_RETAIN_S)
 
 
 class TieredFreeQueue:

@@ -16,9 +16,8 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
-from engines.base import RETAIN_ARG
+from engines.base import MAX_RETAIN_S, RETAIN_ARG
 from engines.vllm_retention import (
-    MAX_LEASE_S,
     RetentionLeases,
     TieredFreeQueue,
     retain_seconds,
@@ -154,7 +153,7 @@ def test_the_tiers_iterate_in_eviction_order() -> None:
         ({RETAIN_ARG: float("nan")}, 0.0),
         ({RETAIN_ARG: "30"}, 0.0),
         ({RETAIN_ARG: True}, 0.0),
-        ({RETAIN_ARG: 1e9}, MAX_LEASE_S),
+        ({RETAIN_ARG: 1e9}, MAX_RETAIN_S),
     ],
 )
 def test_the_lease_a_request_asks_for(extra: dict[str, object] | None, want: float) -> None:
