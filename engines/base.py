@@ -72,8 +72,9 @@ class GenerateRequest:
     # `kv_transfer_params` for the wasma connector (transfer/vllm_connector.py), e.g.
     # {"wasma_peer": "host:port"}. Set by the router only, never from client input.
     kv_transfer: dict[str, object] | None = None
-    # Keep this request's KV, once it finishes, behind every ordinary free block for this
-    # many seconds (a lease; 0 = no retention): descendants will extend it. Router only.
+    # Keep this request's KV behind every ordinary free block (the cached prefix it will
+    # hit while it waits, all of it for this many seconds once it finishes; 0 = no
+    # retention): descendants will extend it. Router only.
     retain_s: float = 0.0
 
 
