@@ -8,12 +8,35 @@ from typing import Any
 import numpy as np
 
 from benchmarks.sim_replay import RunResult
+from scheduler.tokens import BlockHasher
+from scheduler.workflow import Workflow
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def prefix_hit_ceiling(workflows: Sequence[Workflow], block_size: int) -> float:
+    """The prefix hit ratio no placement can beat on this trace: one infinite cache shared
+    by every engine, so each full block is computed once, by the first request that holds
+    it, and every later prompt starting with it hits (vLLM's cap of all prompt tokens but
+    one included). A block's chain hash folds in every block before it, so the count does
+    not depend on the order requests run in."""
+    hasher = BlockHasher(block_size)
+    seen: set[int] = set()
+    hit = total = 0
+    for wf in sorted(workflows, key=lambda w: w.arrival_s):
+        for node in wf.topo_order():
+            tokens = wf.prompt_tokens(node)
+            chain = hasher.chain(wf.context_span(node))
+            prompt = chain[: tokens // block_size]
+            cached = sum(map(seen.__contains__, prompt))
+            hit += min(cached, (tokens - 1) // block_size) * block_size
+            total += tokens
+            seen.update(chain)
+    return hit / total if total else 0.0
 
 
 def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[str, Any]:

@@ -36,9 +36,10 @@ from tqdm import tqdm
 
 from benchmarks.apps import app_specs, generate
 from benchmarks.bench import Runner, RunSpec, sweep_capacity
+from benchmarks.metrics import prefix_hit_ceiling
 from benchmarks.targets import SWEPT
 from engines.sim.profile import load_profile
-from scheduler.trace import write_trace
+from scheduler.trace import load_trace, write_trace
 
 MULTS = (1.0, 1.5, 2.0)
 # The targets of the policy (README, "Results: the wasma policy in simulation").
@@ -131,6 +132,35 @@ def summary_markdown(found: list[Target], seeds: list[int]) -> str:
         else:
             row += ["-", "-", "-"]
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def ceiling_markdown(
+    runs: list[dict[str, Any]], ceilings: dict[tuple[str, int], float], seeds: list[int]
+) -> str:
+    """wasma's prefix hit ratio at 1x the knee beside the trace's ceiling, per seed."""
+    hit = {
+        (r["app"], r["seed"]): r["prefix_hit_ratio"]
+        for r in runs
+        if not r.get("sweep") and r["policy"] == "wasma" and r["load"] == 1.0
+    }
+    head = ["app", *(f"seed {s}" for s in seeds)]
+    lines = [
+        "Prefix hit ratio: wasma at 1x / the trace's ceiling (one infinite cache shared by "
+        "all engines)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    order = list(app_specs())
+    for app in sorted({a for a, _s in ceilings}, key=order.index):
+        cells = [
+            f"{hit[(app, s)]:.3f} / {ceilings[(app, s)]:.3f}"
+            if (app, s) in hit and (app, s) in ceilings
+            else "-"
+            for s in seeds
+        ]
+        lines.append("| " + " | ".join([app, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -256,18 +286,27 @@ def main(argv: list[str] | None = None) -> int:
         (app, seed): {pol: caps[(paths[(app, seed)], pol)] for pol in SWEPT}
         for (app, seed) in paths
     }
-    write_report(out, runs, capacity)
+    write_report(out, runs, capacity, profile.name)
     return 0
 
 
 def write_report(
-    out: Path, runs: list[dict[str, Any]], capacity: dict[tuple[str, int], dict[str, float]]
+    out: Path,
+    runs: list[dict[str, Any]],
+    capacity: dict[tuple[str, int], dict[str, float]],
+    profile: str,
 ) -> None:
     """results.json, summary.md and seeds.png from the runs and the sweeps' capacities."""
     found = targets(runs, capacity)
+    bs = load_profile(profile).block_size
+    ceilings = {
+        (app, seed): prefix_hit_ceiling(load_trace(out / f"{app}-s{seed}.jsonl"), bs)
+        for app, seed in capacity
+    }
     results = {
         "runs": runs,
         "capacity": {f"{app}-s{seed}.jsonl": c for (app, seed), c in sorted(capacity.items())},
+        "prefix_hit_ceiling": {f"{app}-s{seed}.jsonl": v for (app, seed), v in ceilings.items()},
         "targets": [
             {
                 "app": t.app,
@@ -280,7 +319,8 @@ def write_report(
         ],
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    md = summary_markdown(found, sorted({seed for _app, seed in capacity}))
+    seeds = sorted({seed for _app, seed in capacity})
+    md = summary_markdown(found, seeds) + "\n\n" + ceiling_markdown(runs, ceilings, seeds)
     (out / "summary.md").write_text(md + "\n")
     plot(found, out)
     print(md)
@@ -294,11 +334,12 @@ def report(out: Path) -> int:
         runs = data["runs"]
         where = {r["trace"]: (r["app"], r["seed"]) for r in runs}
         capacity = {where[name]: c for name, c in data["capacity"].items()}
+        profile = runs[0]["profile"]
     except FileNotFoundError:
         raise SystemExit(f"--report-only: {path} does not exist") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         raise SystemExit(f"--report-only: {path} is not target_seeds output ({e})") from None
-    write_report(out, runs, capacity)
+    write_report(out, runs, capacity, profile)
     return 0
 
 

@@ -83,7 +83,10 @@ def test_main_writes_every_seed_and_target(tmp_path: Path) -> None:
     assert all(r["app"] == "mapreduce" for r in data["runs"])
     assert len(data["targets"]) == 5  # P95 at three loads, goodput, capacity
     assert all(set(t["values"]) == {"3", "4"} for t in data["targets"])
-    assert (out / "summary.md").read_text().count("| mapreduce |") == 5
+    # Five target rows and the prefix hits beside the trace's ceiling.
+    assert (out / "summary.md").read_text().count("| mapreduce |") == 6
+    assert set(data["prefix_hit_ceiling"]) == set(data["capacity"])
+    assert all(0 < v < 1 for v in data["prefix_hit_ceiling"].values())
     assert (out / "seeds.png").stat().st_size > 0
     # The two seeds are different traces.
     assert (out / "mapreduce-s3.jsonl").read_text() != (out / "mapreduce-s4.jsonl").read_text()
