@@ -106,7 +106,9 @@ def targets(
         for seed in seeds:
             c = capacity.get((app, seed))
             if c:
-                cap[seed] = c["wasma"] / max(c["prefix_aware"], c["kv_aware"], 1e-9)
+                # Neither peer meeting 90% at any load makes the ratio unbounded too.
+                peer = max(c["prefix_aware"], c["kv_aware"])
+                cap[seed] = c["wasma"] / peer if peer > 0 else math.inf
         out.append(Target(app, "capacity / best KV peer", CAPACITY_MIN, False, cap))
     return out
 
