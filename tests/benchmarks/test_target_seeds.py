@@ -58,10 +58,12 @@ def test_a_baseline_that_met_no_deadline_makes_the_goodput_ratio_unbounded() -> 
         for pol, goodput in (("least_loaded", ll_goodput), ("wasma", 2.0))
     ]
     capacity: dict[tuple[str, int], dict[str, float]] = {
-        ("mapreduce", s): {"least_loaded": 1, "prefix_aware": 2, "kv_aware": 1, "wasma": 2}
-        for s in (1, 2)
+        ("mapreduce", s): {"least_loaded": 1, "prefix_aware": peer, "kv_aware": 0, "wasma": 2}
+        for s, peer in ((1, 0), (2, 1))
     }
     found = {t.label: t for t in targets(runs, capacity)}
+    # Neither KV-aware peer met 90% at any load on seed 1.
+    assert found["capacity / best KV peer"].values == {1: math.inf, 2: 2.0}
     goodput = found["goodput / LL at 2x"]
     assert goodput.values == {1: math.inf, 2: 4.0}
     assert all(goodput.met(v) for v in goodput.values.values())
