@@ -17,8 +17,9 @@ target: its value on every seed, median, range, and how many seeds meet it) and
 DIR/seeds.png (the same, one dot a seed, the target as a dashed line). `--report-only`
 writes the summary and plot again from DIR/results.json.
 
-A goodput ratio is unbounded where least_loaded met no deadline (`inf` in the summary,
-null in results.json). A capacity comes from the sweep's bisection, which stops when
+A goodput ratio is unbounded where least_loaded met no deadline, and a capacity ratio
+where neither KV-aware peer met 90% at any load (`inf` in the summary, null in
+results.json). A capacity comes from the sweep's bisection, which stops when
 the bracket is within 3%, so a capacity ratio is known to about that much.
 """
 
