@@ -27,7 +27,7 @@ def prefix_hit_ceiling(workflows: Sequence[Workflow], block_size: int) -> float:
     hasher = BlockHasher(block_size)
     seen: set[int] = set()
     hit = total = 0
-    for wf in sorted(workflows, key=lambda w: w.arrival_s):
+    for wf in workflows:
         for node in wf.topo_order():
             tokens = wf.prompt_tokens(node)
             chain = hasher.chain(wf.context_span(node))

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.base import DEFAULT_RETAIN_S
 from engines.sim.core import SimEngineCore, SimRequest
 from engines.sim.profile import Profile
 from scheduler.policy import PolicyContext, RequestInfo, TransferPricer
@@ -102,7 +103,7 @@ class SimReplay:
         fast_forward: bool = True,
         engine_policy: str = "priority",
         index_cap: int = 4_000_000,
-        retain_lease_s: float = 120.0,
+        retain_lease_s: float = DEFAULT_RETAIN_S,
     ) -> None:
         if num_engines <= 0:
             raise ValueError("need at least one engine")
@@ -225,8 +226,7 @@ class SimReplay:
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
         if placement.retain:
             self.engines[placement.engine].kv.retain(full)
-            lease = self.retain_lease_s if placement.retain_s is None else placement.retain_s
-            self._retain[rid] = (placement.engine, full, lease)
+            self._retain[rid] = (placement.engine, full, placement.lease_s(self.retain_lease_s))
         moved = 0
         self._meta[rid] = (wf, node_id, placement.kind.value, 0)
         if placement.transfer is not None and placement.transfer.num_blocks > 0:

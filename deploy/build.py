@@ -18,7 +18,7 @@ from deploy.journal import WorkflowJournal
 from deploy.metrics import WasmaMetrics
 from deploy.ray_channel import ChannelServer
 from deploy.router_service import RouterService, ServiceRequest
-from engines.base import EngineClient
+from engines.base import DEFAULT_RETAIN_S, EngineClient
 from engines.sim.profile import Profile, load_profile
 from scheduler.policy import TransferPricer
 from scheduler.pricing import LinkBandwidthPricer
@@ -88,7 +88,7 @@ class ServiceConfig:
     max_failovers: int = 3
     router_max_restarts: int = 3
     # How long engines keep the KV of a request the policy marks `retain` (a lease).
-    retain_lease_s: float = 120.0
+    retain_lease_s: float = DEFAULT_RETAIN_S
 
 
 def resolve_profile(cfg: ServiceConfig) -> Profile:

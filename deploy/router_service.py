@@ -28,7 +28,13 @@ from typing import Any
 from deploy.journal import WorkflowJournal
 from deploy.metadata import WorkflowIdentity
 from deploy.metrics import WasmaMetrics
-from engines.base import EngineClient, GenerateRequest, KVEvent, TokenChunk
+from engines.base import (
+    DEFAULT_RETAIN_S,
+    EngineClient,
+    GenerateRequest,
+    KVEvent,
+    TokenChunk,
+)
 from engines.sim.profile import Profile
 from scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
 from scheduler.policy import (
@@ -277,7 +283,7 @@ class RouterService:
         journal: WorkflowJournal | None = None,
         calibration: CalibrationConfig | bool | None = None,
         held_recheck_s: float = 0.5,
-        retain_lease_s: float = 120.0,
+        retain_lease_s: float = DEFAULT_RETAIN_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
@@ -709,7 +715,7 @@ class RouterService:
             temperature=req.temperature,
             extra=req.extra,
             kv_transfer=kv_transfer,
-            retain_s=((placement.retain_s or self.retain_lease_s) if placement.retain else 0.0),
+            retain_s=placement.lease_s(self.retain_lease_s),
         )
         try:
             gen = engine.generate(greq)

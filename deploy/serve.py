@@ -37,7 +37,7 @@ from deploy.build import (
 from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
 from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from engines.base import MAX_RETAIN_S
+from engines.base import DEFAULT_RETAIN_S, MAX_RETAIN_S
 from scheduler.calibration import CalibrationConfig
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def serve_main(args: argparse.Namespace) -> int:
         kv_events=kv_events,
         kv_transfer=kv_transfer,
         engine_options=file_cfg.get("engine_options", {}),
-        retain_lease_s=_lease(file_cfg.get("retain_lease_s", 120.0)),
+        retain_lease_s=_lease(file_cfg.get("retain_lease_s", DEFAULT_RETAIN_S)),
         **_reliability(file_cfg.get("reliability") or {}),
     )
     from scheduler.registry import default_registry

@@ -37,6 +37,9 @@ class AllBlocksCleared:
 # an engine running wasma's retaining scheduler to keep this request's KV for that many
 # seconds after it finishes (engines/vllm_retention.py).
 RETAIN_ARG = "wasma_retain_s"
+# The lease when the policy does not size one (`Placement.retain_s` None): what the router,
+# the serve config and the simulator default to.
+DEFAULT_RETAIN_S = 120.0
 # The longest lease an engine honours and a config may set: a day is a typo, not a
 # workflow.
 MAX_RETAIN_S = 3600.0

@@ -72,6 +72,13 @@ class Placement:
     def hold_order(self) -> int:
         return self.priority if self.hold_priority is None else self.hold_priority
 
+    def lease_s(self, default: float) -> float:
+        """The retention lease to ask the engine for (0: none): the policy's own, else
+        the driver's `default`."""
+        if not self.retain:
+            return 0.0
+        return default if self.retain_s is None else self.retain_s
+
 
 class TransferPricer(Protocol):
     def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float: ...

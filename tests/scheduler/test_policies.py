@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from engines.base import BlockStored
 from engines.sim.profile import Profile, load_profile
 from scheduler.policies.wasma import Wasma
-from scheduler.policy import NoHealthyEngine, PlacementKind, PolicyContext, RequestInfo
+from scheduler.policy import (
+    NoHealthyEngine,
+    Placement,
+    PlacementKind,
+    PolicyContext,
+    RequestInfo,
+)
 from scheduler.prefix_index import PrefixIndex
 from scheduler.pricing import LinkBandwidthPricer
 from scheduler.registry import UnknownPolicy, default_registry
@@ -550,3 +556,11 @@ def test_wasma_pruning_never_changes_the_decision(n: int, seed: int, kv: bool) -
         hashes = [*chain[: rng.randint(1, len(chain))], rng.getrandbits(40)]
         r = req(f"r{i}", hashes=hashes, max_tokens=rng.randint(1, 400))
         assert pruned.place(r, 0.0) == full.place(r, 0.0)
+
+
+def test_a_placement_asks_for_its_own_lease_else_the_drivers() -> None:
+    kind = PlacementKind.REUSE
+    assert Placement(0, kind).lease_s(120.0) == 0.0  # nothing to keep
+    assert Placement(0, kind, retain_s=30.0).lease_s(120.0) == 0.0
+    assert Placement(0, kind, retain=True).lease_s(120.0) == 120.0
+    assert Placement(0, kind, retain=True, retain_s=30.0).lease_s(120.0) == 30.0
