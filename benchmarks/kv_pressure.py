@@ -70,6 +70,9 @@ def variants() -> dict[str, dict[str, Any]]:
         out[f"no {m}"] = dict(ABLATIONS[m])
     # Off by default: the slack order sent to the engine as well as used at the router.
     out["engine priority"] = {"engine_priority": True}
+    # Retention as a lease alone: kept until it lapses, first kept first evicted (no
+    # steps-to-use order, no release once the readers have started).
+    out["retention by lease only"] = {"retain_by_use": False}
     return out
 
 

@@ -77,6 +77,17 @@ class RunResult:
 
 
 _STEP, _READY = 0, 1
+_NEVER = float("inf")
+
+
+@dataclass(slots=True)
+class _Retention:
+    """KV a request asked its engine to keep (`Placement.retain`)."""
+
+    engine: int
+    chain: list[int]
+    use_at: float  # when its readers are expected to start (steps-to-use order)
+    lease_s: float  # how long after the request finishes the engine keeps it
 
 
 def topology_pricer(engines: Sequence[str], preset: str = "hgx-h100") -> TransferPricer:
@@ -140,17 +151,20 @@ class SimReplay:
         self._meta: dict[str, tuple[Workflow, str, str, int]] = {}
         self._left: dict[str, int] = {}
         self._arrival: dict[str, float] = {}
-        # KV retention as the live router asks vLLM for it (engines/vllm_retention.py):
+        # KV retention, as the live router asks vLLM for it (engines/vllm_retention.py):
         # a request the policy marks `retain` has its chain kept behind every ordinary
-        # free block on its engine from placement until the lease the policy sized
-        # (`Placement.retain_s`; else `retain_lease_s`), in simulated seconds, after it
-        # finishes.
+        # free block on its engine from placement until the first of
+        #  - its lease (`Placement.retain_s`; else `retain_lease_s`) after it finishes;
+        #  - the router's release once every request extending its context has started
+        #    (`Router.retention`), which reaches the engine with the next request placed
+        #    there, as it does a vLLM server.
+        # Among retained blocks, those wanted latest are evicted first
+        # (`Placement.retain_use_s`, steps-to-use).
         self.retain_lease_s = retain_lease_s
-        # request id -> (engine, chain, lease)
-        self._retain: dict[str, tuple[int, list[int], float]] = {}
-        # (end, seq, engine, chain): kept apart from the event heap, so that a lease still
+        self._retain: dict[str, _Retention] = {}  # request id -> its retention
+        # (end, seq, request id): kept apart from the event heap, so that a lease still
         # running never counts as work that could free capacity for held requests.
-        self._leases: list[tuple[float, int, int, list[int]]] = []
+        self._leases: list[tuple[float, int, str]] = []
         self._macro: set[int] = set()  # engines in a macro step, synced before decisions
         # Requests the policy held back (deadline-aware admission), by priority.
         self._held: list[tuple[int, int, Workflow, str, float]] = []
@@ -224,9 +238,14 @@ class SimReplay:
             self.held_total += 1
             return
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
+        for key in self.router.retention.take(placement.engine):
+            self._end_retention(key, now)
         if placement.retain:
-            self.engines[placement.engine].kv.retain(full)
-            self._retain[rid] = (placement.engine, full, placement.lease_s(self.retain_lease_s))
+            use = placement.retain_use_s
+            use_at = _NEVER if use is None else now + use
+            self.engines[placement.engine].kv.retain(full, use_at)
+            lease = placement.lease_s(self.retain_lease_s)
+            self._retain[rid] = _Retention(placement.engine, full, use_at, lease)
         moved = 0
         self._meta[rid] = (wf, node_id, placement.kind.value, 0)
         if placement.transfer is not None and placement.transfer.num_blocks > 0:
@@ -244,10 +263,9 @@ class SimReplay:
 
     def _on_finished(self, slot: int, req: SimRequest, now: float) -> None:
         wf, node_id, kind, moved = self._meta.pop(req.request_id)
-        kept = self._retain.pop(req.request_id, None)
+        kept = self._retain.get(req.request_id)
         if kept is not None:
-            engine, chain, lease = kept
-            heapq.heappush(self._leases, (now + lease, self._seq, engine, chain))
+            heapq.heappush(self._leases, (now + kept.lease_s, self._seq, req.request_id))
             self._seq += 1
         submit = self._arrival.pop(req.request_id, req.arrival_time)
         self.records.append(
@@ -278,6 +296,13 @@ class SimReplay:
         for child in ready:
             self._submit(wf, child, now)
         self._release_held(now)
+
+    def _end_retention(self, rid: str, now: float) -> None:
+        kept = self._retain.pop(rid, None)
+        if kept is None:
+            return
+        self.engines[kept.engine].sync(now)  # a macro step brings its KV up to now
+        self.engines[kept.engine].kv.release(kept.chain, kept.use_at)
 
     def _release_held(self, now: float, force_first: bool = False) -> None:
         """Capacity freed: offer held requests again, most urgent first, until the
@@ -311,9 +336,8 @@ class SimReplay:
         while i < n or heap:
             next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
             if leases and leases[0][0] <= min(next_arrival, heap[0][0] if heap else next_arrival):
-                end, _seq, slot, hashes = heapq.heappop(leases)
-                engines[slot].sync(end)  # a macro step brings its KV up to the lease's end
-                engines[slot].kv.release(hashes)
+                end, _seq, rid = heapq.heappop(leases)
+                self._end_retention(rid, end)
                 continue
             if heap and heap[0][0] <= next_arrival:
                 now, _seq, kind, payload = heapq.heappop(heap)

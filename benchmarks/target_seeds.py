@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             RunSpec(str(out / name), pol, scale, args.engines, profile.name)
             for name, scale, pol in specs
         ]
+        bar.total = bar.n + len(grid)  # the sweeps are done: the rest is known exactly
+        bar.refresh()
         for row in runner.run_all(grid, lambda _row: bar.update(1)):
             # Rows come back as they finish: the spec's own rate scale matches them.
             runs.append(tag(row, specs[(row["trace"], row["rate_scale"], row["policy"])]))

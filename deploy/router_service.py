@@ -506,6 +506,7 @@ class RouterService:
             log.warning("engine %s out of rotation: %s", self.engines[slot].name, why)
             state.set_healthy(slot, False)
             self.ctx.index.remove_engine_blocks(self.engines[slot].name)
+            self.router.retention.engine_lost(slot)
         self._open_until[slot] = max(self._open_until[slot], self.now() + self.breaker_base_s)
         for live in self._live.values():
             if live.slot == slot:
@@ -716,6 +717,9 @@ class RouterService:
             extra=req.extra,
             kv_transfer=kv_transfer,
             retain_s=placement.lease_s(self.retain_lease_s),
+            retain_use_s=placement.retain_use_s if placement.retain else None,
+            # Retentions on this engine whose readers have all started ride along.
+            release=self.router.retention.take(live.slot),
         )
         try:
             gen = engine.generate(greq)

@@ -37,6 +37,13 @@ class AllBlocksCleared:
 # an engine running wasma's retaining scheduler to keep this request's KV for that many
 # seconds after it finishes (engines/vllm_retention.py).
 RETAIN_ARG = "wasma_retain_s"
+# With it: seconds from now until the requests that extend this KV are expected to start
+# (the retention tier evicts what is wanted latest first), and the key the router may end
+# the retention by. Any request may carry keys of retentions to end at once (their
+# readers have started), each the `request_id` of the request that asked for it.
+RETAIN_USE_ARG = "wasma_retain_use_s"
+RETAIN_KEY_ARG = "wasma_retain_key"
+RELEASE_ARG = "wasma_release"
 # The lease when the policy does not size one (`Placement.retain_s` None): what the router,
 # the serve config and the simulator default to.
 DEFAULT_RETAIN_S = 120.0
@@ -79,6 +86,23 @@ class GenerateRequest:
     # hit while it waits, all of it for this many seconds once it finishes; 0 = no
     # retention): descendants will extend it. Router only.
     retain_s: float = 0.0
+    # Steps-to-use: seconds from now until its readers are expected (None: unsaid).
+    retain_use_s: float | None = None
+    # Retentions on this engine to end now (their keys: the request ids that asked).
+    release: tuple[str, ...] = ()
+
+    def retention_args(self) -> dict[str, object]:
+        """The request's retention tags as wasma's retaining vLLM scheduler reads them
+        (`SamplingParams.extra_args`; `vllm_xargs` over HTTP)."""
+        args: dict[str, object] = {}
+        if self.retain_s > 0:
+            args[RETAIN_ARG] = self.retain_s
+            args[RETAIN_KEY_ARG] = self.request_id
+            if self.retain_use_s is not None:
+                args[RETAIN_USE_ARG] = self.retain_use_s
+        if self.release:
+            args[RELEASE_ARG] = list(self.release)
+        return args
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ import msgspec
 
 from deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
 from engines.base import (
-    RETAIN_ARG,
     EngineClient,
     EngineStats,
     GenerateRequest,
@@ -354,10 +353,11 @@ class OpenAIEngine(EngineClient):
         for key in ("top_p", "seed", "stop", "stop_token_ids", "min_tokens"):
             if key in request.extra:
                 body[key] = request.extra[key]
-        if request.retain_s > 0:
+        xargs = request.retention_args()
+        if xargs:
             # Read by wasma's retaining scheduler (`--scheduler-cls
-            # engines.vllm_retention.WasmaScheduler`); other servers ignore it.
-            body["vllm_xargs"] = {RETAIN_ARG: request.retain_s}
+            # engines.vllm_retention.WasmaScheduler`); other servers ignore them.
+            body["vllm_xargs"] = xargs
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:

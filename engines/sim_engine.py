@@ -89,9 +89,12 @@ class SimEngine(EngineClient):
         self._task: asyncio.Task[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
-        # KV retention leases, as wasma's retaining vLLM scheduler keeps them
-        # (engines/vllm_retention.py): (simulated end, block hashes), soonest first.
-        self._leases: list[tuple[float, int, list[int]]] = []
+        # KV retention, as wasma's retaining vLLM scheduler keeps it
+        # (engines/vllm_retention.py): key (the request id) -> (block hashes, when they
+        # are next wanted), from the request's arrival until its lease ends or the router
+        # releases it; and the leases, (simulated end, seq, key), soonest first.
+        self._kept: dict[str, tuple[list[int], float]] = {}
+        self._leases: list[tuple[float, int, str]] = []
         self._lease_seq = 0
 
     # -- clock -----------------------------------------------------------------------
@@ -184,15 +187,24 @@ class SimEngine(EngineClient):
         if p.retain_s <= 0:
             return
         end = self._now() + p.retain_s * self._speed
-        heapq.heappush(self._leases, (end, self._lease_seq, p.req.block_hashes))
+        heapq.heappush(self._leases, (end, self._lease_seq, p.req.request_id))
         self._lease_seq += 1
         p.retain_s = 0.0  # once
 
     def _end_leases(self) -> None:
         now = self._now()
         while self._leases and self._leases[0][0] <= now:
-            _, _, hashes = heapq.heappop(self._leases)
-            self.core.kv.release(hashes)
+            _, _, key = heapq.heappop(self._leases)
+            self._release(key)
+
+    def _release(self, key: str) -> None:
+        """End the retention `key` (lapsed, or released by the router) if it still runs
+        and its request has left the engine."""
+        if key in self._pending or key not in self._kept:
+            return
+        hashes, use_at = self._kept.pop(key)
+        self.core.sync(self._now())  # a macro step brings its KV up to now first
+        self.core.kv.release(hashes, use_at)
 
     # -- EngineClient ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -213,12 +225,19 @@ class SimEngine(EngineClient):
         self._pending[request.request_id] = pending
         if self.core.busy:
             self.core.interrupt(self._now())
-        if request.retain_s > 0:
+        for key in request.release:
+            self._release(key)
+        if request.retain_s > 0 and request.request_id not in self._kept:
             # As wasma's vLLM scheduler does: from arrival (the cached prefix it will hit)
             # until the lease after it finishes (all of its blocks), kept behind every
-            # ordinary free block. A macro step's KV is brought up to now first.
-            self.core.sync(self._now())
-            self.core.kv.retain(hashes)
+            # ordinary free block, wanted at `retain_use_s`. A macro step's KV is brought
+            # up to now first.
+            now = self._now()
+            use = request.retain_use_s
+            use_at = float("inf") if use is None else now + use * self._speed
+            self.core.sync(now)
+            self.core.kv.retain(hashes, use_at)
+            self._kept[request.request_id] = (hashes, use_at)
         self._wake()
         try:
             while True:
@@ -261,6 +280,7 @@ class SimEngine(EngineClient):
             p.queue.put_nowait(ConnectionError(f"engine {self.name} died"))
         self._pending.clear()
         self._leases.clear()
+        self._kept.clear()
         self.core = SimEngineCore(self.name, self.profile, self._policy, kv_sink=self._emit)
 
     def hang(self) -> None:

@@ -26,7 +26,6 @@ import zmq
 import zmq.asyncio
 
 from engines.base import (
-    RETAIN_ARG,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -393,8 +392,8 @@ class VLLMEngine(EngineClient):
         extra: dict[str, Any] = {}
         if request.kv_transfer and self.kv_peer is not None:
             extra["kv_transfer_params"] = dict(request.kv_transfer)
-        if request.retain_s > 0 and self.config.retention:
-            extra[RETAIN_ARG] = request.retain_s
+        if self.config.retention:
+            extra.update(request.retention_args())
         return extra or None
 
     async def stats(self) -> EngineStats:

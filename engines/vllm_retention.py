@@ -9,11 +9,14 @@ tags such a request with `vllm_xargs={"wasma_retain_s": S}` (`SamplingParams.ext
 `RetainingScheduler` (and `RetainingAsyncScheduler`, for engines with async scheduling)
 is vLLM's scheduler with a second tier in the free-block queue. A tagged request's blocks
 are retained from its arrival (the cached prefix it will hit, which its parent left) until
-S seconds after it finishes (all of its blocks). Free retained blocks are handed out only
-after every ordinary free block, front first, as the simulator's retention tier does
-(`engines/sim/kv_cache.py`). Retention is a lease, not a pin: the blocks stay free and
-evictable (vLLM never runs short because of it), and a lease that nobody renews lapses on
-its own, so a router that dies leaves nothing held.
+S seconds after it finishes (all of its blocks), or until a later request names its key
+(`wasma_retain_key`, the router's request id) in `wasma_release`: the router sends that
+once every request extending the context has started and holds it. Free retained blocks
+are handed out only after every ordinary free block, those wanted latest first
+(`wasma_retain_use_s`: seconds until the readers are expected; steps-to-use), as the
+simulator's retention tier does (`engines/sim/kv_cache.py`). Retention is a lease, not a
+pin: the blocks stay free and evictable (vLLM never runs short because of it), and a
+lease that nobody renews lapses on its own, so a router that dies leaves nothing held.
 
 Engines wasma starts use it (`VLLMEngineConfig.retention`). For a vLLM server of your
 own, install wasma beside it and start it with
@@ -33,10 +36,19 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from engines.base import MAX_RETAIN_S, RETAIN_ARG
+from engines.base import (
+    MAX_RETAIN_S,
+    RELEASE_ARG,
+    RETAIN_ARG,
+    RETAIN_KEY_ARG,
+    RETAIN_USE_ARG,
+)
 
 # Under vLLM's logger, so that the engine process prints it with vLLM's own messages.
 log = logging.getLogger("vllm.wasma_retention")
+
+_NEVER = float("inf")
+_MAX_RELEASE = 1024  # keys read from one request
 
 
 def retain_seconds(extra_args: dict[str, Any] | None) -> float:
@@ -51,36 +63,78 @@ def retain_seconds(extra_args: dict[str, Any] | None) -> float:
     return min(float(value), MAX_RETAIN_S)
 
 
+def retain_use_seconds(extra_args: dict[str, Any] | None) -> float:
+    """Seconds until the retained KV is expected to be read (inf: unsaid or bad)."""
+    value = (extra_args or {}).get(RETAIN_USE_ARG)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return _NEVER
+    return min(float(value), MAX_RETAIN_S)
+
+
+def release_keys(extra_args: dict[str, Any] | None) -> list[str]:
+    """Keys of retentions the request says to end (strings only; others ignored)."""
+    value = (extra_args or {}).get(RELEASE_ARG)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        return []
+    return [k for k in value[:_MAX_RELEASE] if isinstance(k, str)]
+
+
 class TieredFreeQueue:
     """vLLM's free-block queue with a retention tier behind it.
 
-    Same interface as `FreeKVCacheBlockQueue` (what `BlockPool` calls): two of vLLM's own
-    queues, the ordinary one first. A block goes to the retention tier when it is
-    appended (freed, cached) while `is_retained(block)` holds. Blocks handed out lose
-    their retention (`on_reused`): the content they held is gone."""
+    Same interface as `FreeKVCacheBlockQueue` (what `BlockPool` calls): vLLM's own queue
+    for ordinary blocks, handed out first, then the retention tier, wanted-latest first
+    (`use_of(block)`: when the block is next wanted, inf when unsaid; None when nothing
+    retains it), equal times in the order queued. A block goes to the tier when it is
+    appended (freed, cached) while retained. Blocks handed out lose their retention
+    (`on_reused`): the content they held is gone."""
 
     def __init__(
         self,
         plain: FreeKVCacheBlockQueue,
-        is_retained: Callable[[KVCacheBlock], bool],
+        use_of: Callable[[KVCacheBlock], float | None],
         on_reused: Callable[[list[KVCacheBlock]], None],
     ) -> None:
         self.plain = plain
-        self.kept = FreeKVCacheBlockQueue([])
-        self.kept_ids: set[int] = set()
-        self._is_retained = is_retained
+        # The retention tier: a heap of (-use, seq, block). Entries are dropped lazily:
+        # only the one whose seq `kept_at` records is live.
+        self._heap: list[tuple[float, int, KVCacheBlock]] = []
+        self.kept_at: dict[int, tuple[int, float]] = {}  # block id -> (seq, use)
+        self._seq = 0
+        self._use_of = use_of
         self._on_reused = on_reused
 
     @property
     def num_free_blocks(self) -> int:
-        return self.plain.num_free_blocks + self.kept.num_free_blocks
+        return self.plain.num_free_blocks + len(self.kept_at)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self.kept_at)
+
+    def _push(self, block: KVCacheBlock, use: float) -> None:
+        self._seq += 1
+        self.kept_at[block.block_id] = (self._seq, use)
+        heapq.heappush(self._heap, (-use, self._seq, block))
+        if len(self._heap) > 2 * len(self.kept_at) + 64:
+            self._heap = [e for e in self._heap if self._live(e)]
+            heapq.heapify(self._heap)
+
+    def _live(self, entry: tuple[float, int, KVCacheBlock]) -> bool:
+        at = self.kept_at.get(entry[2].block_id)
+        return at is not None and at[0] == entry[1]
+
+    def _pop_kept(self) -> KVCacheBlock:
+        while True:
+            entry = heapq.heappop(self._heap)
+            if self._live(entry):
+                del self.kept_at[entry[2].block_id]
+                return entry[2]
 
     def popleft(self) -> KVCacheBlock:
-        if self.plain.num_free_blocks:
-            block = self.plain.popleft()
-        else:
-            block = self.kept.popleft()
-            self.kept_ids.discard(block.block_id)
+        block = self.plain.popleft() if self.plain.num_free_blocks else self._pop_kept()
         self._on_reused([block])
         return block
 
@@ -90,154 +144,191 @@ class TieredFreeQueue:
         assert self.num_free_blocks >= n
         first = min(n, self.plain.num_free_blocks)
         out = self.plain.popleft_n(first)
-        if n > first:
-            more = self.kept.popleft_n(n - first)
-            self.kept_ids.difference_update(b.block_id for b in more)
-            out.extend(more)
+        out.extend(self._pop_kept() for _ in range(n - first))
         self._on_reused(out)
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """A prefix hit takes a free block back into use (`BlockPool.touch`)."""
-        if block.block_id in self.kept_ids:
-            self.kept_ids.discard(block.block_id)
-            self.kept.remove(block)
-        else:
+        if self.kept_at.pop(block.block_id, None) is None:
             self.plain.remove(block)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        keep = [b for b in blocks if self._is_retained(b)]
-        if not keep:
+        uses = [self._use_of(b) for b in blocks]
+        if all(u is None for u in uses):
             self.plain.append_n(blocks)
             return
-        ids = {b.block_id for b in keep}
-        self.plain.append_n([b for b in blocks if b.block_id not in ids])
-        self.kept.append_n(keep)
-        self.kept_ids |= ids
+        self.plain.append_n([b for b, u in zip(blocks, uses, strict=True) if u is None])
+        for b, u in zip(blocks, uses, strict=True):
+            if u is not None:
+                self._push(b, u)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         # Content-less blocks, reused first: never retained.
         self.plain.prepend_n(blocks)
 
-    def keep(self, block: KVCacheBlock) -> None:
-        """A block just retained: if it is free in the ordinary queue, move it to the back
-        of the retention tier (every free block is in one of the two queues)."""
-        if block.ref_cnt == 0 and not block.is_null and block.block_id not in self.kept_ids:
-            self.plain.remove(block)
-            self.kept.append(block)
-            self.kept_ids.add(block.block_id)
-
-    def release(self, block: KVCacheBlock) -> None:
-        """A lapsed lease: a free retained block rejoins the ordinary queue's back."""
-        if block.block_id in self.kept_ids:
-            self.kept_ids.discard(block.block_id)
-            self.kept.remove(block)
+    def requeue(self, block: KVCacheBlock) -> None:
+        """A block whose retention changed (kept, ended, wanted at another time): if it is
+        free, move it where it now belongs. Newly kept: the back of its time in the tier;
+        no longer kept: the back of the ordinary queue."""
+        if block.ref_cnt or block.is_null:
+            return
+        use = self._use_of(block)
+        at = self.kept_at.get(block.block_id)
+        if at is None:
+            if use is not None and block.block_hash is not None:
+                self.plain.remove(block)
+                self._push(block, use)
+        elif use is None:
+            del self.kept_at[block.block_id]
             self.plain.append(block)
+        elif use != at[1]:
+            self._push(block, use)  # the old entry is dropped lazily
 
     def release_all(self) -> None:
-        for block in self.kept.get_all_free_blocks():
-            self.release(block)
+        for block in self._kept_in_order():
+            del self.kept_at[block.block_id]
+            self.plain.append(block)
+        self._heap.clear()
+
+    def _kept_in_order(self) -> list[KVCacheBlock]:
+        return [e[2] for e in sorted(self._heap) if self._live(e)]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return self.plain.get_all_free_blocks() + self.kept.get_all_free_blocks()
+        return self.plain.get_all_free_blocks() + self._kept_in_order()
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
         """Free blocks in eviction order after `cursor` (both tiers, ordinary first)."""
-        if cursor is not None and cursor.block_id in self.kept_ids:
-            yield from self.kept.iter_blocks_after(cursor)
+        if cursor is not None and cursor.block_id in self.kept_at:
+            kept = self._kept_in_order()
+            yield from kept[kept.index(cursor) + 1 :]
             return
         yield from self.plain.iter_blocks_after(cursor)
-        yield from self.kept.iter_blocks_after(None)
+        yield from self._kept_in_order()
 
 
 class RetentionLeases:
-    """Which blocks are retained: those a request that asked for retention still waits or
-    runs on (a hold), and those whose lease has not lapsed (block id -> when it does,
-    monotonic seconds)."""
+    """What retains which blocks, and until when each is next wanted.
+
+    A claim retains a set of blocks, wanted at one time (monotonic seconds; inf when
+    unsaid): a request's hold (its cached prefix, from arrival while it is in the
+    engine) or a lease (all of its blocks for some seconds after it finishes, unless the
+    router ends it first by its key). A block is retained while any claim on it lasts,
+    and wanted at the soonest of their times."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.until: dict[int, float] = {}
-        self._heap: list[tuple[float, int]] = []
         self._clock = clock
-        self.held: dict[int, int] = {}  # block id -> requests holding it
-        self._holds: dict[str, list[tuple[int, int]]] = {}  # request -> (block id, epoch)
-        # A block's epoch moves on when it is reused for other content, so a request's
-        # hold on what the block held before is not a hold on what it holds now.
-        self._epoch: dict[int, int] = {}
+        self._uses: dict[int, dict[int, float]] = {}  # block id -> claim -> when wanted
+        self._blocks: dict[int, list[int]] = {}  # claim -> block ids
+        self._hold_of: dict[str, int] = {}  # request id -> its hold
+        self._lease_of: dict[str, int] = {}  # key -> its lease
+        self._key_of: dict[int, str] = {}  # lease -> its key
+        self._ends: list[tuple[float, int]] = []  # (when, lease), soonest first
+        self._next = 0
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
-        """Retain these blocks for as long as the request is in the engine."""
-        self.release_hold(request_id)
-        epoch = self._epoch
-        self._holds[request_id] = [(bid, epoch.get(bid, 0)) for bid in block_ids]
+    def now(self) -> float:
+        return self._clock()
+
+    def _claim(self, block_ids: list[int], use_at: float) -> tuple[int, list[int]]:
+        """A new claim; returns it and the blocks it makes wanted sooner (or at all)."""
+        self._next += 1
+        claim = self._next
+        self._blocks[claim] = list(block_ids)
+        changed: list[int] = []
         for bid in block_ids:
-            self.held[bid] = self.held.get(bid, 0) + 1
+            uses = self._uses.setdefault(bid, {})
+            if not uses or use_at < min(uses.values()):
+                changed.append(bid)
+            uses[claim] = use_at
+        return claim, changed
+
+    def _drop(self, claim: int) -> list[int]:
+        """End a claim; returns the blocks no longer retained or now wanted later."""
+        changed: list[int] = []
+        for bid in self._blocks.pop(claim, ()):
+            uses = self._uses.get(bid)
+            if uses is None or claim not in uses:
+                continue  # the block was reused for other content since
+            soonest = min(uses.values())
+            del uses[claim]
+            if not uses:
+                del self._uses[bid]
+                changed.append(bid)
+            elif min(uses.values()) != soonest:
+                changed.append(bid)
+        key = self._key_of.pop(claim, None)
+        if key is not None and self._lease_of.get(key) == claim:
+            del self._lease_of[key]
+        return changed
+
+    def hold(self, request_id: str, block_ids: list[int], use_at: float = _NEVER) -> list[int]:
+        """Retain these blocks for as long as the request is in the engine."""
+        changed = self.release_hold(request_id)
+        claim, sooner = self._claim(block_ids, use_at)
+        self._hold_of[request_id] = claim
+        return changed + sooner
 
     def release_hold(self, request_id: str) -> list[int]:
-        """End the request's hold; returns the block ids no request holds any more."""
-        epoch = self._epoch
-        dropped: list[int] = []
-        for bid, ep in self._holds.pop(request_id, ()):
-            if epoch.get(bid, 0) != ep:
-                continue
-            n = self.held.get(bid, 0) - 1
-            if n > 0:
-                self.held[bid] = n
-            else:
-                self.held.pop(bid, None)
-                dropped.append(bid)
-        return dropped
+        """End the request's hold; returns the blocks whose retention changed."""
+        claim = self._hold_of.pop(request_id, None)
+        return [] if claim is None else self._drop(claim)
 
-    def grant(self, block_ids: list[int], seconds: float) -> None:
-        until = self._clock() + seconds
-        for bid in block_ids:
-            if self.until.get(bid, 0.0) < until:
-                self.until[bid] = until
-                heapq.heappush(self._heap, (until, bid))
+    def grant(
+        self, block_ids: list[int], seconds: float, use_at: float = _NEVER, key: str | None = None
+    ) -> list[int]:
+        """Retain these blocks for `seconds`, or until `end(key)`; a lease under the same
+        key replaces the earlier one. Returns the blocks whose retention changed."""
+        changed = self.end(key) if key is not None else []
+        claim, sooner = self._claim(block_ids, use_at)
+        heapq.heappush(self._ends, (self._clock() + seconds, claim))
+        if key is not None:
+            self._lease_of[key] = claim
+            self._key_of[claim] = key
+        return changed + sooner
+
+    def end(self, key: str) -> list[int]:
+        """The router says the lease `key` is no longer wanted (its readers started)."""
+        claim = self._lease_of.get(key)
+        return [] if claim is None else self._drop(claim)
+
+    def use_of(self, block: KVCacheBlock) -> float | None:
+        uses = self._uses.get(block.block_id)
+        return min(uses.values()) if uses else None
 
     def holds(self, block: KVCacheBlock) -> bool:
-        if block.block_id in self.held:
-            return True
-        until = self.until.get(block.block_id)
-        return until is not None and until > self._clock()
+        return block.block_id in self._uses
 
     def forget(self, blocks: list[KVCacheBlock]) -> None:
         """These blocks were handed out for new content: nothing retains them now."""
-        if self.until or self.held:
-            epoch = self._epoch
+        if self._uses:
             for b in blocks:
-                bid = b.block_id
-                self.until.pop(bid, None)
-                if self.held.pop(bid, None) is not None:
-                    epoch[bid] = epoch.get(bid, 0) + 1
+                self._uses.pop(b.block_id, None)
 
     def clear(self) -> None:
-        self.until.clear()
-        self._heap.clear()
-        self.held.clear()
-        self._holds.clear()
-        self._epoch.clear()
+        self._uses.clear()
+        self._blocks.clear()
+        self._hold_of.clear()
+        self._lease_of.clear()
+        self._key_of.clear()
+        self._ends.clear()
 
     def lapsed(self) -> list[int]:
-        """Block ids whose lease has ended since the last call."""
+        """End the leases past their time; returns the blocks whose retention changed."""
         now = self._clock()
         out: list[int] = []
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            until, bid = heapq.heappop(heap)
-            if self.until.get(bid) == until:  # else renewed, or reused since
-                del self.until[bid]
-                if bid not in self.held:
-                    out.append(bid)
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            _, claim = heapq.heappop(ends)
+            out += self._drop(claim)
         return out
 
 
-def _lease(request: Request) -> float:
+def _extra(request: Request) -> dict[str, Any] | None:
     params = request.sampling_params
-    return retain_seconds(params.extra_args if params is not None else None)
+    return params.extra_args if params is not None else None
 
 
 class _RetentionMixin:
@@ -250,20 +341,35 @@ class _RetentionMixin:
         self.wasma_retention = RetentionLeases()
         pool = self.kv_cache_manager.block_pool
         self.wasma_free_queue = TieredFreeQueue(
-            pool.free_block_queue, self.wasma_retention.holds, self.wasma_retention.forget
+            pool.free_block_queue, self.wasma_retention.use_of, self.wasma_retention.forget
         )
         pool.free_block_queue = self.wasma_free_queue
+        # request id -> (lease seconds, when wanted, key) for requests that asked
+        self._wasma_asked: dict[str, tuple[float, float, str | None]] = {}
+
+    def _requeue(self, block_ids: list[int]) -> None:
+        blocks = self.kv_cache_manager.block_pool.blocks
+        for bid in block_ids:
+            self.wasma_free_queue.requeue(blocks[bid])
 
     def add_request(self, request: Request) -> None:
+        extra = _extra(request)
+        for key in release_keys(extra):  # retentions whose readers have started
+            self._requeue(self.wasma_retention.end(key))
         super().add_request(request)  # type: ignore[misc]
-        if _lease(request) > 0 and self.kv_cache_manager.block_pool.enable_caching:
+        seconds = retain_seconds(extra)
+        if seconds > 0 and self.kv_cache_manager.block_pool.enable_caching:
+            use_at = self.wasma_retention.now() + retain_use_seconds(extra)
+            named = (extra or {}).get(RETAIN_KEY_ARG)
+            self._wasma_asked[request.request_id] = (
+                seconds,
+                use_at,
+                named if isinstance(named, str) else None,
+            )
             # The prefix it will hit is already cached (its parent's context): keep it
             # while the request waits, as well as after it finishes.
             ids = self._cached_prefix(request)
-            self.wasma_retention.hold(request.request_id, ids)
-            blocks = self.kv_cache_manager.block_pool.blocks
-            for bid in ids:
-                self.wasma_free_queue.keep(blocks[bid])
+            self._requeue(self.wasma_retention.hold(request.request_id, ids, use_at))
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the request's longest cached prefix; no side effects (vLLM's own
@@ -279,25 +385,20 @@ class _RetentionMixin:
         return ids
 
     def _free_blocks(self, request: Request) -> None:
-        seconds = _lease(request)
-        if seconds > 0 and self.kv_cache_manager.block_pool.enable_caching:
+        asked = self._wasma_asked.pop(request.request_id, None)
+        if asked is not None:
+            seconds, use_at, key = asked
             groups = self.kv_cache_manager.get_block_ids(request.request_id)
             ids = [bid for group in groups for bid in group]
-            self.wasma_retention.grant(ids, seconds)
-        dropped = self.wasma_retention.release_hold(request.request_id)
-        if dropped:  # free ones that nothing retains now rejoin the ordinary queue
-            blocks = self.kv_cache_manager.block_pool.blocks
-            for bid in dropped:
-                if not self.wasma_retention.holds(blocks[bid]):
-                    self.wasma_free_queue.release(blocks[bid])
+            # Its blocks are still held (ref > 0): they take their place when freed below.
+            self._requeue(self.wasma_retention.grant(ids, seconds, use_at, key))
+        self._requeue(self.wasma_retention.release_hold(request.request_id))
         super()._free_blocks(request)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         lapsed = self.wasma_retention.lapsed()
         if lapsed:
-            blocks = self.kv_cache_manager.block_pool.blocks
-            for bid in lapsed:
-                self.wasma_free_queue.release(blocks[bid])
+            self._requeue(lapsed)
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:

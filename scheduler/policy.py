@@ -59,6 +59,11 @@ class Placement:
     # lease), evicting it after every block not kept.
     retain: bool = False
     retain_s: float | None = None
+    # Steps-to-use: seconds from now until the requests that extend this context are
+    # expected to start (None: unsaid). Engines evict the retained KV wanted latest
+    # first, and the router ends the retention once those readers have all started
+    # (`scheduler/retention.py`), however long the lease.
+    retain_use_s: float | None = None
     # Hold the request at the router and ask again when load drops (only when the
     # driver supports it: PolicyContext.can_defer). Nothing is dispatched or charged.
     defer: bool = False

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from engines.base import BlockRemoved, BlockStored, KVEvent
 from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
+from scheduler.retention import RetentionTracker
 from scheduler.state import Charge
 
 
@@ -22,6 +23,9 @@ class Router:
         # Decision latencies (µs), bounded so a long-running server does not grow.
         self.decision_us: deque[float] = deque(maxlen=keep_decisions)
         self._inflight: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # Retentions to end once their readers started; drivers send the keys with the
+        # next request they place on that engine (`retention.take`).
+        self.retention = RetentionTracker()
 
     def route(self, req: RequestInfo, now: float, force: bool = False) -> Placement:
         """The policy's placement for `req`, charged to its engine, unless the policy
@@ -46,6 +50,15 @@ class Router:
         if hashes and self.policy.reads_inflight:
             self._inflight[req.request_id] = (name, hashes)
             self.ctx.inflight.apply(BlockStored(name, hashes, None))
+        wst = self.ctx.workflows.get(req.workflow_id)
+        self.retention.placed(
+            wst.workflow if wst is not None else None,
+            req.workflow_id,
+            req.node_id,
+            req.request_id,
+            placement.engine,
+            placement.retain and placement.retain_use_s is not None,
+        )
         self.ctx.workflows.mark_submitted(
             req.workflow_id, req.node_id, placement.engine, now, req.block_hashes, req.parents
         )
@@ -57,6 +70,7 @@ class Router:
     def on_first_token(self, request_id: str) -> None:
         self.ctx.state.on_first_token(request_id)
         self._forget_inflight(request_id)
+        self.retention.started(request_id)
 
     def _forget_inflight(self, request_id: str) -> None:
         # Once a request started, the engine's own KV events say where its blocks are.

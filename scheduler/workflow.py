@@ -168,6 +168,15 @@ class Workflow:
     def children(self, node_id: str) -> list[str]:
         return list(self.graph.successors(node_id))
 
+    def context_readers(self, node_id: str) -> list[str]:
+        """Nodes whose prompt extends this node's whole context (`ContextOf`): the
+        requests that reuse its KV."""
+        return [
+            n.id
+            for n in self.nodes.values()
+            if any(isinstance(s, ContextOf) and s.node == node_id for s in n.prompt)
+        ]
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -15,10 +15,13 @@ not one OrderedDict operation per block, with the same order as a per-block queu
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, groupby
 from operator import not_
+
+_NEVER = float("inf")
 
 EvictedSink = Callable[[list[int]], None]
 StoredSink = Callable[[list[int], int | None], None]
@@ -32,7 +35,16 @@ class _Run(list[int]):
 
 
 class _KeptRun(_Run):
-    """A run in the retention tier (evicted after every ordinary free block)."""
+    """A run in the retention tier (evicted after every ordinary free block).
+
+    `use_at` is when its blocks are next wanted (the soonest pending use among their
+    holders; infinity when no holder said): the tier evicts the run wanted last first."""
+
+    use_at: float = _NEVER
+
+
+def _neg_use(run: _Run) -> float:
+    return -run.use_at  # type: ignore[attr-defined]
 
 
 class KVCache:
@@ -54,7 +66,7 @@ class KVCache:
         first = _Run(range(num_blocks - 1, 0, -1))
         self._runs: deque[_Run] = deque([first])  # ordinary free blocks, front first
         # Free blocks whose content a pending request will reuse: evicted only after
-        # every ordinary free block (the retention tier).
+        # every ordinary free block (the retention tier), latest next use first.
         self._kept: deque[_Run] = deque()
         # The run each free block sits in (meaningful only while its ref count is 0).
         self._run_of: list[_Run | None] = [None] + [first] * (num_blocks - 1)
@@ -63,7 +75,8 @@ class KVCache:
         # Blocks whose hash a transfer re-cached on another block (`seed_pinned`): they
         # keep their queue place as hashed blocks, but evicting them removes nothing.
         self._stale: set[int] = set()
-        self.retained: dict[int, int] = {}  # chain hash -> holders of the retention
+        # chain hash -> when each holder of its retention next wants it (infinity: unsaid)
+        self.retained: dict[int, list[float]] = {}
         self.on_stored = on_stored
         self.on_removed = on_removed
         # vLLM's prefix-cache counters (tokens), as in its PrefixCacheStats.
@@ -285,21 +298,40 @@ class KVCache:
         if n_kept == 0:
             self._queue_back(zero)
         elif n_kept == len(zero):
-            self._queue_back(zero, kept_tier=True)
+            self._queue_kept(zero)
         else:
             self._queue_back(list(compress(zero, map(not_, inr))))
-            self._queue_back(list(compress(zero, inr)), kept_tier=True)
+            self._queue_kept(list(compress(zero, inr)))
         if front:
             self._queue_front(front)
 
-    def _queue_back(self, blocks: list[int], kept_tier: bool = False) -> None:
-        """Append blocks (in queue order) at the back of a tier."""
+    def _queue_kept(self, blocks: list[int]) -> None:
+        """Queue free retained blocks (in queue order): a run for each stretch wanted at
+        the same time, placed behind the runs wanted later and any wanted as soon."""
+        retained, hash_of = self.retained, self.hash_of
+
+        def use_at(b: int) -> float:
+            return min(retained[hash_of[b]])  # type: ignore[index]
+
+        for when, group in groupby(blocks, use_at):
+            self._queue_back(list(group), kept_tier=True, use_at=when)
+
+    def _queue_back(
+        self, blocks: list[int], kept_tier: bool = False, use_at: float = _NEVER
+    ) -> None:
+        """Append blocks (in queue order) at the back of a tier; in the retention tier, at
+        the back of the runs next wanted at `use_at` or later."""
         run: _Run = _KeptRun(reversed(blocks)) if kept_tier else _Run(reversed(blocks))
         run_of = self._run_of
         for b in blocks:
             run_of[b] = run
         if kept_tier:
-            self._kept.append(run)
+            run.use_at = use_at  # type: ignore[attr-defined]
+            kept = self._kept
+            if not kept or kept[-1].use_at >= use_at:  # type: ignore[attr-defined]
+                kept.append(run)  # the common case: no later use queued behind
+            else:
+                kept.insert(bisect_right(kept, -use_at, key=_neg_use), run)
             self._num_kept += len(blocks)
         else:
             runs = self._runs
@@ -321,42 +353,69 @@ class KVCache:
         self._num_plain += len(blocks)
 
     # -- retention -------------------------------------------------------------------
-    def retain(self, block_hashes: Sequence[int]) -> None:
-        """Keep these blocks, once free, behind every ordinary free block."""
+    def retain(self, block_hashes: Sequence[int], use_at: float = _NEVER) -> None:
+        """Keep these blocks, once free, behind every ordinary free block, until
+        `release`. `use_at` is when the holder next wants them (steps-to-use): among
+        retained blocks, those wanted latest are evicted first."""
         retained = self.retained
+        sooner: set[int] = set()  # retained already, now wanted sooner: queued anew
         for h in block_hashes:
-            retained[h] = retained.get(h, 0) + 1
-        move = self._free_cached(block_hashes, kept_tier=False)
+            uses = retained.get(h)
+            if uses is None:
+                retained[h] = [use_at]
+            else:
+                if use_at < min(uses):
+                    sooner.add(h)
+                uses.append(use_at)
+        move = self._free_cached(block_hashes, kept_tier=False, also_kept=sooner)
         if move:
             self._unqueue(move)
-            self._queue_back(move, kept_tier=True)
+            self._queue_kept(move)
 
-    def release(self, block_hashes: Sequence[int]) -> None:
-        """Undo one `retain` of these blocks; free ones rejoin the ordinary queue."""
+    def release(self, block_hashes: Sequence[int], use_at: float = _NEVER) -> None:
+        """Undo one `retain(block_hashes, use_at)`: free blocks nothing retains now rejoin
+        the ordinary queue; the rest take their next holder's use time."""
         retained = self.retained
         gone: list[int] = []
+        moved: list[int] = []
         for h in block_hashes:
-            n = retained.get(h, 0) - 1
-            if n > 0:
-                retained[h] = n
+            uses = retained.get(h)
+            if uses is None:
                 continue
-            retained.pop(h, None)
-            gone.append(h)
+            if len(uses) == 1:
+                del retained[h]
+                gone.append(h)
+                continue
+            soonest = min(uses)
+            uses.remove(use_at)
+            if use_at == soonest and min(uses) != soonest:
+                moved.append(h)
         move = self._free_cached(gone, kept_tier=True)
         if move:
             self._unqueue(move)
             self._queue_back(move)
+        if moved:
+            move = self._free_cached(moved, kept_tier=True)
+            if move:
+                self._unqueue(move)
+                self._queue_kept(move)
 
-    def _free_cached(self, hashes: Iterable[int], kept_tier: bool) -> list[int]:
-        """The free blocks in one tier holding these hashes, in hash order."""
-        ref, run_of = self.ref, self._run_of
-        found = [b for b in map(self.cached.get, hashes) if b is not None and not ref[b]]
+    def _free_cached(
+        self, hashes: Iterable[int], kept_tier: bool, also_kept: set[int] | None = None
+    ) -> list[int]:
+        """The free blocks in one tier holding these hashes, in hash order (with
+        `also_kept`, those of these hashes in the retention tier as well)."""
+        ref, run_of, cached = self.ref, self._run_of, self.cached
         want = _KeptRun if kept_tier else _Run
         # A block is listed once even if its hash repeats (it moves once).
         seen: set[int] = set()
         out: list[int] = []
-        for b in found:
-            if type(run_of[b]) is want and b not in seen:
+        for h in hashes:
+            b = cached.get(h)
+            if b is None or ref[b] or b in seen:
+                continue
+            kind = type(run_of[b])
+            if kind is want or (also_kept and kind is _KeptRun and h in also_kept):
                 seen.add(b)
                 out.append(b)
         return out

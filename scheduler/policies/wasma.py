@@ -26,7 +26,9 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   work is offered again, most urgent first, whenever a request finishes;
 - retention: nodes whose context descendants will extend are flagged so the engine
   evicts that KV last (the simulator's KV cache; in vLLM, wasma's retention scheduler,
-  engines/vllm_retention.py, under a lease the router asks for);
+  engines/vllm_retention.py, under a lease the router asks for); among retained KV, what
+  is wanted latest goes first (steps-to-use: the node's estimated finish, when its
+  readers can start), and a retention ends once its readers have started;
 - shared hosts: engines whose compute is one host's CPU cores slow each other while
   both are busy (`Profile.host_contention`), so waking an idle engine beside a busy one
   is priced as what it costs both, not as free parallelism.
@@ -87,6 +89,9 @@ class Wasma(Policy):
         "load_aware": True,  # count queued work; off = pure cache affinity
         "hopeless": True,  # demote workflows that cannot meet their deadline
         "retain": True,  # ask engines to keep context that descendants will reuse
+        # ...ordered by when it is next wanted (steps-to-use), and only until the requests
+        # that extend it have started; off: until the lease ends, first kept first evicted.
+        "retain_by_use": True,
         # Weight of the delay a placement imposes on requests already on the engine: its
         # prefill stalls their decodes, its decode slows their steps. 0 = selfish.
         "externality": 1.0,
@@ -412,5 +417,7 @@ class Wasma(Policy):
             transfer=transfer,
             retain=bool(p["retain"]) and reused,
             retain_s=_lease_s(remaining) if reused else None,
+            # Its readers can start once it finishes: the estimate is when.
+            retain_use_s=est if reused and p["retain_by_use"] else None,
             estimated_finish_s=now + est,
         )

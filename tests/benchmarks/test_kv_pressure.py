@@ -63,6 +63,7 @@ def test_main_writes_a_row_per_app_load_and_variant(
         "no priority",
         "no kv_admission",
         "engine priority",
+        "retention by lease only",
     ]
     assert [(r["app"], r["variant"]) for r in rows] == [
         (app, name) for app in ("pipeline", "mapreduce", "debate") for name in names

@@ -12,6 +12,7 @@ from benchmarks.apps import generate
 from benchmarks.metrics import percentile, summarize
 from benchmarks.sim_replay import RunResult, SimReplay
 from engines.sim.profile import Profile, load_profile
+from scheduler.registry import PolicyRegistry
 from scheduler.workflow import Node, Unique, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")
@@ -205,11 +206,10 @@ def test_summary_of_an_empty_run(result_fields: dict[str, type]) -> None:
 def test_retention_lasts_the_lease_after_the_request_finishes(
     policy_lease: float | None, default_lease: float, kept_at_end: bool
 ) -> None:
-    """As the live router's lease to vLLM: the planner's KV (its worker extends it) is
-    retained from placement until the lease after it finishes: the policy's, or else the
-    driver's default."""
+    """As the live router's lease to vLLM (`retain_by_use=False`): the planner's KV (its
+    worker extends it) is retained from placement until the lease after it finishes: the
+    policy's, or else the driver's default."""
     from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-    from scheduler.registry import PolicyRegistry
     from scheduler.workflow import ContextOf
 
     class Retains(Policy):
@@ -234,11 +234,73 @@ def test_retention_lasts_the_lease_after_the_request_finishes(
     # Arrives long after the first workflow is done; it retains nothing.
     later = Workflow.create("w2", "x", 200.0, 60.0, [Node("a", (), 8, (Unique(300),))])
     replay = SimReplay(
-        [plan, later], Retains.name, 1, PROFILE, registry=reg, retain_lease_s=default_lease
+        [plan, later],
+        Retains.name,
+        1,
+        PROFILE,
+        registry=reg,
+        retain_lease_s=default_lease,
     )
     run = replay.run()
     assert len(run.requests) == 3
     assert bool(replay.engines[0].kv.retained) is kept_at_end
+
+
+def _retaining_registry(use_s: float | None) -> PolicyRegistry:
+    """A policy that puts everything on engine 0 and retains every node's context for
+    1,000 s, saying its readers start `use_s` after placement (None: unsaid)."""
+    from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+
+    class Retains(Policy):
+        name = "retains"
+
+        def place(self, req: RequestInfo, now: float) -> Placement:
+            return Placement(
+                0, PlacementKind.RECOMPUTE, retain=True, retain_s=1000.0, retain_use_s=use_s
+            )
+
+    reg = PolicyRegistry()
+    reg.register(Retains.name, Retains)
+    return reg
+
+
+def test_a_retention_ends_once_its_readers_started_with_the_next_request_there() -> None:
+    """With a use time (steps-to-use) the planner's KV is kept until both workers that
+    extend it have prefilled (they hold it then), not for the rest of a long lease; the
+    release reaches the engine with the next request placed there. The workers' own
+    retentions (no reader) last their lease."""
+    from scheduler.workflow import ContextOf
+
+    wf = Workflow.create(
+        "w1",
+        "x",
+        0.0,
+        60.0,
+        [
+            Node("plan", (), 32, (Unique(600),)),
+            Node("a", ("plan",), 32, (ContextOf("plan"), Unique(100))),
+            Node("b", ("plan",), 32, (ContextOf("plan"), Unique(120))),
+        ],
+    )
+    later = Workflow.create("w2", "x", 200.0, 60.0, [Node("z", (), 8, (Unique(300),))])
+    plan_blocks = 600 // PROFILE.block_size
+
+    def run(use_s: float | None, wfs: list[Workflow]) -> SimReplay:
+        replay = SimReplay(wfs, "retains", 1, PROFILE, registry=_retaining_registry(use_s))
+        replay.run()
+        return replay
+
+    until_next = run(2.0, [wf])  # nothing placed after the readers started
+    assert sorted(until_next._retain) == ["w1/a", "w1/b", "w1/plan"]
+    released = run(2.0, [wf, later])
+    assert sorted(released._retain) == ["w1/a", "w1/b", "w2/z"]
+    kv = released.engines[0].kv
+    plan_chain = released.hasher.chain(wf.context_span("plan"))[:plan_blocks]
+    # The planner's blocks are kept now only as part of the workers' prompts.
+    assert all(len(kv.retained[h]) == 2 for h in plan_chain)
+    # Without a use time the lease alone decides.
+    lease_only = run(None, [wf, later])
+    assert sorted(lease_only._retain) == ["w1/a", "w1/b", "w1/plan", "w2/z"]
 
 
 def test_wasma_sizes_the_lease_to_the_work_left_after_the_node() -> None:

@@ -155,7 +155,20 @@ async def test_streams_token_ids_over_aiohttp(
         assert "vllm_xargs" not in sent  # no lease asked for
         lease = GenerateRequest("rq2", list(range(16, 80)), 1, retain_s=30.0)
         _ = [c async for c in engine.generate(lease)]
-        assert fake.bodies[-1]["vllm_xargs"] == {"wasma_retain_s": 30.0}
+        assert fake.bodies[-1]["vllm_xargs"] == {"wasma_retain_s": 30.0, "wasma_retain_key": "rq2"}
+        used = GenerateRequest(
+            "rq3", list(range(16, 80)), 1, retain_s=30.0, retain_use_s=2.5, release=("rq2",)
+        )
+        _ = [c async for c in engine.generate(used)]
+        assert fake.bodies[-1]["vllm_xargs"] == {
+            "wasma_retain_s": 30.0,
+            "wasma_retain_key": "rq3",
+            "wasma_retain_use_s": 2.5,
+            "wasma_release": ["rq2"],
+        }
+        release_only = GenerateRequest("rq4", list(range(16, 80)), 1, release=("rq3",))
+        _ = [c async for c in engine.generate(release_only)]
+        assert fake.bodies[-1]["vllm_xargs"] == {"wasma_release": ["rq3"]}
         stats = await engine.stats()
         assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (3, 2, 0.25)
         assert await engine.healthy()

@@ -110,7 +110,8 @@ async def test_closing_a_stream_aborts_the_request_on_the_server(vllm_url: str) 
 async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: str) -> None:
     """Over HTTP, a lease reaches `vllm serve` running wasma's scheduler
     (`--scheduler-cls engines.vllm_retention.WasmaScheduler`, as the peers benchmark starts
-    every engine): the leased prompt survives churn that evicts an unleased one."""
+    every engine): the leased prompt survives churn that evicts an unleased one, and one
+    whose lease a later request released by its key (a list in `vllm_xargs`)."""
     from engines.openai_engine import OpenAIEngine
 
     engine = OpenAIEngine("v0", vllm_url)
@@ -118,21 +119,22 @@ async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: st
     try:
         rng = random.Random(7)
         bs = engine.block_size
-        prompts = {"kept": _ids(rng, 6 * bs), "plain": _ids(rng, 6 * bs)}
+        prompts = {n: _ids(rng, 6 * bs) for n in ("kept", "plain", "released")}
         for name, prompt in prompts.items():
-            lease = 600.0 if name == "kept" else 0.0
-            req = GenerateRequest(f"vret-{name}", prompt, 1, retain_s=lease)
+            lease = 0.0 if name == "plain" else 600.0
+            req = GenerateRequest(f"vret-{name}", prompt, 1, retain_s=lease, retain_use_s=5.0)
             _ = [c async for c in engine.generate(req)]
         per = (2048 - bs) // bs  # the server's max_model_len, less a block
         for i in range(POOL_BLOCKS // per + 2):  # one at a time: LRU alone decides
-            req = GenerateRequest(f"vchurn-{i}", _ids(rng, per * bs), 1)
+            release = ("vret-released",) if i == 0 else ()
+            req = GenerateRequest(f"vchurn-{i}", _ids(rng, per * bs), 1, release=release)
             _ = [c async for c in engine.generate(req)]
         hits = {}
         for name, prompt in prompts.items():
             req = GenerateRequest(f"vret-{name}-child", [*prompt, *_ids(rng, bs)], 1)
             chunks = [c async for c in engine.generate(req)]
             hits[name] = chunks[-1].num_cached_tokens
-        assert hits == {"kept": 6 * bs, "plain": 0}
+        assert hits == {"kept": 6 * bs, "plain": 0, "released": 0}
     finally:
         await engine.close()
 

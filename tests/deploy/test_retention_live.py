@@ -67,6 +67,60 @@ async def test_a_retained_placement_asks_the_engine_for_a_lease(
         await svc.close()
 
 
+class _SaysWhenReadersStart(Policy):
+    """Retains every node's context, its readers expected 2 s after placement."""
+
+    name = "says_when"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        return Placement(0, PlacementKind.RECOMPUTE, retain=True, retain_s=60.0, retain_use_s=2.0)
+
+
+async def test_a_retention_ends_once_its_readers_started_by_the_next_request_there() -> None:
+    """With a registered DAG the router knows who reads the planner's context. Once both
+    workers have started, the planner's retention is released with the next request sent
+    to that engine, which ends it there; the use time travels with each lease."""
+    reg = PolicyRegistry()
+    reg.register(_SaysWhenReadersStart.name, _SaysWhenReadersStart)
+    engine = _Recording()
+    svc = RouterService([engine], PROFILE, policy=_SaysWhenReadersStart.name, registry=reg)
+    await svc.start()
+    try:
+        svc.register_workflow(
+            {
+                "workflow_id": "wf",
+                "nodes": [
+                    {"id": "plan", "output_tokens": 4, "prompt": [{"unique": 64}]},
+                    {
+                        "id": "a",
+                        "parents": ["plan"],
+                        "output_tokens": 4,
+                        "prompt": [{"context": "plan"}, {"unique": 16}],
+                    },
+                    {
+                        "id": "b",
+                        "parents": ["plan"],
+                        "output_tokens": 4,
+                        "prompt": [{"context": "plan"}, {"unique": 16}],
+                    },
+                ],
+            }
+        )
+        plan = [11] * 64
+        for node, prompt in (("plan", plan), ("a", plan + [1] * 16), ("b", plan + [2] * 16)):
+            ident = WorkflowIdentity(workflow_id="wf", node_id=node)
+            await svc.complete(ServiceRequest(f"r-{node}", prompt, 4, ident))
+        assert "r-plan" in engine._kept  # b has started, but nothing was sent since
+        await svc.complete(ServiceRequest("r-next", [5] * 32, 4, WorkflowIdentity()))
+        seen = {r.request_id: r for r in engine.seen}
+        assert seen["r-next"].release == ("r-plan",)
+        assert all(seen[r].release == () for r in ("r-plan", "r-a", "r-b"))
+        assert seen["r-plan"].retain_use_s == 2.0
+        assert "r-plan" not in engine._kept and "r-a" in engine._kept
+    finally:
+        await svc.close()
+
+
 async def test_the_config_lease_reaches_the_router() -> None:
     from deploy.build import EngineSpec, ServiceConfig, build_service
 

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from engines.sim.kv_cache import KVCache
 
+INF = float("inf")
+
 
 class Sink:
     def __init__(self) -> None:
@@ -98,6 +100,46 @@ def test_lru_across_requests_least_recently_freed_evicted_first() -> None:
     kv.allocate(2)
     assert sink.removed == [2, 1]
     assert kv.count_hit([7, 8]) == 2
+
+
+def test_retained_blocks_go_after_ordinary_ones_latest_next_use_first() -> None:
+    """Steps-to-use order: among retained free blocks, those wanted latest are evicted
+    first (unsaid = never, first of all), each chain tail first; ordinary blocks go
+    before any retained one."""
+    kv, sink = cache(8)  # 7 usable blocks
+    a, b, c, d = fill(kv, [1, 2]), fill(kv, [3, 4]), fill(kv, [5, 6]), fill(kv, [7])
+    kv.retain([1, 2], use_at=3.0)
+    kv.retain([3, 4], use_at=1.0)
+    kv.retain([5, 6])  # next use unsaid
+    for blocks in (a, b, c, d):
+        kv.free_blocks(blocks)
+    assert kv.free == [d[0]]
+    assert kv.free_retained == [c[1], c[0], a[1], a[0], b[1], b[0]]
+    kv.allocate(4)
+    assert sink.removed == [7, 6, 5, 2]
+    assert kv.count_hit([1, 2]) == 1 and kv.count_hit([3, 4]) == 2
+
+
+def test_retention_reorders_when_the_soonest_use_changes() -> None:
+    kv, _sink = cache(8)
+    a, b = fill(kv, [1, 2]), fill(kv, [3, 4])
+    kv.retain([1, 2], use_at=3.0)
+    kv.retain([3, 4], use_at=1.0)
+    kv.free_blocks(a)
+    kv.free_blocks(b)
+    assert kv.free_retained == [a[1], a[0], b[1], b[0]]
+    # A second holder wants them sooner: kept longest now. Blocks that move between
+    # places in the queue move in chain order, as `retain` of free blocks always has.
+    kv.retain([1, 2], use_at=0.5)
+    assert kv.free_retained == [b[1], b[0], a[0], a[1]]
+    kv.release([1, 2], use_at=0.5)  # back to the first holder's time
+    assert kv.free_retained == [a[0], a[1], b[1], b[0]]
+    kv.release([3, 4], use_at=1.0)  # no holder left: an ordinary free block again
+    assert kv.free_retained == [a[0], a[1]]
+    assert kv.free[-2:] == [b[0], b[1]]
+    with pytest.raises(ValueError):
+        kv.retain([1, 2], use_at=2.0)
+        kv.release([1, 2], use_at=9.0)  # not a holder's time
 
 
 def test_touch_removes_from_free_queue_and_protects() -> None:
@@ -261,8 +303,10 @@ class RefPool:
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self.kept: OrderedDict[int, None] = OrderedDict()
-        self.retained: dict[int, int] = {}
+        # Retention tier: block -> (-next use, order queued); evicted smallest first.
+        self.kept_at: dict[int, tuple[float, int]] = {}
+        self.retained: dict[int, list[float]] = {}
+        self._seq = 0
         self.events: list[tuple[str, list[int]]] = []
 
     def longest_hit(self, hashes: list[int], cap: int) -> list[int]:
@@ -273,16 +317,31 @@ class RefPool:
             out.append(self.cached[h])
         return out
 
+    @property
+    def kept(self) -> list[int]:
+        return sorted(self.kept_at, key=self.kept_at.__getitem__)
+
+    def _keep(self, b: int) -> None:
+        """Queue a free retained block behind those wanted later or as soon."""
+        h = self.hash_of[b]
+        assert h is not None
+        self._seq += 1
+        self.kept_at[b] = (-min(self.retained[h]), self._seq)
+
     def touch(self, blocks: list[int]) -> None:
         for b in blocks:
             if self.ref[b] == 0:
-                (self.free if b in self.free else self.kept).pop(b)
+                (self.free if b in self.free else self.kept_at).pop(b)
             self.ref[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         out, evicted = [], []
         for _ in range(n):
-            b, _none = (self.free if self.free else self.kept).popitem(last=False)
+            if self.free:
+                b, _none = self.free.popitem(last=False)
+            else:
+                b = self.kept[0]
+                del self.kept_at[b]
             h = self.hash_of[b]
             if h is not None:
                 self.hash_of[b] = None
@@ -304,32 +363,43 @@ class RefPool:
                 if h is None:
                     unhashed.append(b)
                 elif h in self.retained:
-                    self.kept[b] = None
+                    self._keep(b)
                 else:
                     self.free[b] = None
         for b in reversed(unhashed):
             self.free[b] = None
             self.free.move_to_end(b, last=False)
 
-    def retain(self, hashes: list[int]) -> None:
+    def retain(self, hashes: list[int], use_at: float = INF) -> None:
         for h in hashes:
-            self.retained[h] = self.retained.get(h, 0) + 1
+            uses = self.retained.setdefault(h, [])
+            sooner = bool(uses) and use_at < min(uses)
+            uses.append(use_at)
             b = self.cached.get(h)
-            if b is not None and self.ref[b] == 0 and b in self.free:
-                del self.free[b]
-                self.kept[b] = None
-
-    def release(self, hashes: list[int]) -> None:
-        for h in hashes:
-            n = self.retained.get(h, 0) - 1
-            if n > 0:
-                self.retained[h] = n
+            if b is None or self.ref[b]:
                 continue
-            self.retained.pop(h, None)
+            if b in self.free:
+                del self.free[b]
+                self._keep(b)
+            elif sooner and b in self.kept_at:
+                self._keep(b)
+
+    def release(self, hashes: list[int], use_at: float = INF) -> None:
+        for h in hashes:
+            uses = self.retained.get(h)
+            if uses is None:
+                continue
             b = self.cached.get(h)
-            if b is not None and b in self.kept:
-                del self.kept[b]
-                self.free[b] = None
+            if len(uses) == 1:
+                del self.retained[h]
+                if b is not None and b in self.kept_at:
+                    del self.kept_at[b]
+                    self.free[b] = None
+                continue
+            soonest = min(uses)
+            uses.remove(use_at)
+            if min(uses) != soonest and b is not None and b in self.kept_at:
+                self._keep(b)
 
     def cache_blocks(self, blocks: list[int], hashes: list[int], start: int, end: int) -> None:
         pairs = zip(hashes[start:end], blocks[start:end], strict=True)
@@ -363,7 +433,11 @@ pool_op_st = st.lists(
     st.one_of(
         st.tuples(st.just("req"), chain_st, st.integers(0, 16), st.integers(0, 99)),
         st.tuples(st.just("free"), st.integers(0, 99)),
-        st.tuples(st.just("retain"), chain_st),
+        # Next use unsaid (INF) or at one of a few times, so that ties occur.
+        st.tuples(st.just("retain"), chain_st, st.sampled_from([INF, 1.0, 2.0, 3.0])),
+        # Retain what a request holds, as the router does: its blocks go to the tier
+        # when freed, so the tier holds blocks wanted at different times.
+        st.tuples(st.just("retain_held"), st.integers(0, 99), st.sampled_from([INF, 1.0, 2.0])),
         st.tuples(st.just("release"), st.integers(0, 99)),
         st.tuples(st.just("seed"), chain_st, st.booleans()),
     ),
@@ -375,7 +449,8 @@ pool_op_st = st.lists(
 @given(ops=pool_op_st, num_blocks=st.sampled_from([3, 6, 12, 24]))
 def test_matches_per_block_reference_pool(ops: list[tuple[Any, ...]], num_blocks: int) -> None:
     """Every operation leaves the same blocks, order, hashes and events as the reference
-    (duplicates, partial tails, retention, transfers and re-cached prefixes included)."""
+    (duplicates, partial tails, retention ordered by next use, transfers and re-cached
+    prefixes included)."""
     events: list[tuple[str, list[int]]] = []
     kv = KVCache(
         num_blocks,
@@ -385,7 +460,7 @@ def test_matches_per_block_reference_pool(ops: list[tuple[Any, ...]], num_blocks
     )
     ref = RefPool(num_blocks)
     live: list[list[int]] = []
-    kept: list[list[int]] = []
+    kept: list[tuple[list[int], float]] = []
     for op in ops:
         if op[0] == "req":
             hashes = chain_of(*op[1])
@@ -419,13 +494,19 @@ def test_matches_per_block_reference_pool(ops: list[tuple[Any, ...]], num_blocks
             ref.free_blocks(blocks)
         elif op[0] == "retain":
             hashes = chain_of(*op[1])
-            kv.retain(hashes)
-            ref.retain(hashes)
-            kept.append(hashes)
+            kv.retain(hashes, op[2])
+            ref.retain(hashes, op[2])
+            kept.append((hashes, op[2]))
+        elif op[0] == "retain_held" and live:
+            blocks = live[op[1] % len(live)]
+            hashes = [h for h in map(kv.hash_of.__getitem__, blocks) if h is not None]
+            kv.retain(hashes, op[2])
+            ref.retain(hashes, op[2])
+            kept.append((hashes, op[2]))
         elif op[0] == "release" and kept:
-            hashes = kept.pop(op[1] % len(kept))
-            kv.release(hashes)
-            ref.release(hashes)
+            hashes, use_at = kept.pop(op[1] % len(kept))
+            kv.release(hashes, use_at)
+            ref.release(hashes, use_at)
         elif op[0] == "seed":
             hashes = chain_of(*op[1])
             held = kv.seed_pinned(hashes)

@@ -143,24 +143,26 @@ async def test_bad_requests_raise_value_error() -> None:
 
 async def test_a_retention_lease_keeps_kv_through_churn_until_it_lapses() -> None:
     """As wasma's retaining vLLM scheduler does (tests/engines/test_vllm_engine.py): KV
-    under a lease outlives more fresh prefill than the pool holds; without a lease, or
-    once it lapses, LRU evicts it."""
+    under a lease outlives more fresh prefill than the pool holds; without a lease, once
+    it lapses, or once a later request released it by its key, LRU evicts it."""
     from dataclasses import replace
 
     engine = SimEngine("e0", replace(PROFILE, num_kv_blocks=64), speed=200.0)
     try:
-        prompts = {name: _prompt(10 + i, 6 * BS) for i, name in enumerate("KLP")}
-        leases = {"K": 600.0, "L": 0.2, "P": 0.0}
+        prompts = {name: _prompt(10 + i, 6 * BS) for i, name in enumerate("KLPR")}
+        leases = {"K": 600.0, "L": 0.2, "P": 0.0, "R": 600.0}
         for name, prompt in prompts.items():
             req = GenerateRequest(f"ret-{name}", prompt, 1, retain_s=leases[name])
             await _collect(engine, req)
         await asyncio.sleep(0.3)  # L's lease lapses
         for i in range(64 // 8 + 2):  # one at a time: ordinary free blocks never run out
-            await _collect(engine, GenerateRequest(f"churn-{i}", _prompt(100 + i, 8 * BS), 1))
+            release = ("ret-R",) if i == 0 else ()
+            req = GenerateRequest(f"churn-{i}", _prompt(100 + i, 8 * BS), 1, release=release)
+            await _collect(engine, req)
         hits = {}
         for name, prompt in prompts.items():
             child = GenerateRequest(f"{name}-child", [*prompt, *_prompt(50, BS)], 1)
             hits[name] = (await _collect(engine, child))[0].num_cached_tokens
-        assert hits == {"K": 6 * BS, "L": 0, "P": 0}
+        assert hits == {"K": 6 * BS, "L": 0, "P": 0, "R": 0}
     finally:
         await engine.close()

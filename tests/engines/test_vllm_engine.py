@@ -144,10 +144,11 @@ async def test_cancelling_the_stream_aborts_the_request(vllm_engine: VLLMEngine)
 async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLMEngine) -> None:
     """wasma's retaining scheduler (engines/vllm_retention.py) in a real engine: a
     request's KV kept under a lease survives more fresh prefill than the pool holds; the
-    same KV without a lease, or with a lapsed one, is evicted in LRU order."""
+    same KV without a lease, with a lapsed one, or with one a later request released by
+    its key (the router does, once its readers have started), is evicted in LRU order."""
     bs, vocab = vllm_engine.block_size, vllm_engine.vocab_size
-    prompts = {name: _prompt(40 + i, 6 * bs, vocab) for i, name in enumerate("KLP")}
-    leases = {"K": 600.0, "L": 0.2, "P": 0.0}
+    prompts = {name: _prompt(40 + i, 6 * bs, vocab) for i, name in enumerate("KLPR")}
+    leases = {"K": 600.0, "L": 0.2, "P": 0.0, "R": 600.0}
     for name, prompt in prompts.items():
         req = GenerateRequest(f"ret-{name}", prompt, max_tokens=1, retain_s=leases[name])
         await _collect(vllm_engine, req)
@@ -157,7 +158,9 @@ async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLM
     per = (vllm_engine.config.max_model_len - bs) // bs
     for i in range(vllm_engine.num_kv_blocks // per + 2):
         churn = _prompt(1000 + i, per * bs, vocab)
-        await _collect(vllm_engine, GenerateRequest(f"churn-{i}", churn, max_tokens=1))
+        release = ("ret-R",) if i == 0 else ()
+        req = GenerateRequest(f"churn-{i}", churn, max_tokens=1, release=release)
+        await _collect(vllm_engine, req)
     hits = {}
     for name, prompt in prompts.items():
         child = [*prompt, *_prompt(50, bs, vocab)]
@@ -165,4 +168,4 @@ async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLM
         req = GenerateRequest(f"ret-{name}-child", child, 1, retain_s=1.0)
         chunks = await _collect(vllm_engine, req)
         hits[name] = chunks[0].num_cached_tokens
-    assert hits == {"K": 6 * bs, "L": 0, "P": 0}
+    assert hits == {"K": 6 * bs, "L": 0, "P": 0, "R": 0}

@@ -16,11 +16,13 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
-from engines.base import MAX_RETAIN_S, RETAIN_ARG
+from engines.base import MAX_RETAIN_S, RELEASE_ARG, RETAIN_ARG, RETAIN_USE_ARG
 from engines.vllm_retention import (
     RetentionLeases,
     TieredFreeQueue,
+    release_keys,
     retain_seconds,
+    retain_use_seconds,
 )
 
 
@@ -36,7 +38,7 @@ def _pool(n: int = 12) -> tuple[BlockPool, TieredFreeQueue, RetentionLeases, _Cl
     pool = BlockPool(num_gpu_blocks=n, enable_caching=True, hash_block_size=16)
     clock = _Clock()
     leases = RetentionLeases(clock)
-    queue = TieredFreeQueue(pool.free_block_queue, leases.holds, leases.forget)
+    queue = TieredFreeQueue(pool.free_block_queue, leases.use_of, leases.forget)
     pool.free_block_queue = queue  # type: ignore[assignment]
     return pool, queue, leases, clock
 
@@ -63,7 +65,7 @@ def test_retained_blocks_are_handed_out_after_every_ordinary_free_block() -> Non
     pool.free_blocks(reversed(kept))
     pool.free_blocks(reversed(plain))
     assert pool.get_num_free_blocks() == 11
-    assert queue.kept.num_free_blocks == 3
+    assert queue.num_kept == 3
     taken = pool.get_new_blocks(8)  # 5 never-used blocks, then the unretained request
     assert set(_ids(plain)) <= set(_ids(taken))
     assert not set(_ids(kept)) & set(_ids(taken))
@@ -72,7 +74,7 @@ def test_retained_blocks_are_handed_out_after_every_ordinary_free_block() -> Non
     more = pool.get_new_blocks(2)
     assert _ids(more) == _ids(kept[::-1][:2])
     assert kept[2].block_hash is None and kept[0].block_hash is not None
-    assert kept[2].block_id not in leases.until  # reused: its lease went with its content
+    assert not leases.holds(kept[2])  # reused: its lease went with its content
 
 
 def test_a_prefix_hit_takes_a_retained_block_back_and_its_free_returns_it() -> None:
@@ -81,10 +83,10 @@ def test_a_prefix_hit_takes_a_retained_block_back_and_its_free_returns_it() -> N
     leases.grant(_ids(kept), 60.0)
     pool.free_blocks(reversed(kept))
     pool.touch(kept)  # a child's prefix hit
-    assert queue.kept.num_free_blocks == 0 and not queue.kept_ids
+    assert queue.num_kept == 0 and not queue.kept_at
     assert pool.get_num_free_blocks() == 7 - 2
     pool.free_blocks(reversed(kept))  # the child finishes while the lease runs
-    assert queue.kept.num_free_blocks == 2
+    assert queue.num_kept == 2
 
 
 def test_a_lapsed_lease_returns_blocks_to_the_ordinary_queue_back() -> None:
@@ -100,15 +102,15 @@ def test_a_lapsed_lease_returns_blocks_to_the_ordinary_queue_back() -> None:
     lapsed = leases.lapsed()
     assert sorted(lapsed) == sorted(_ids(kept))
     for bid in lapsed:
-        queue.release(pool.blocks[bid])
-    assert queue.kept.num_free_blocks == 0
+        queue.requeue(pool.blocks[bid])
+    assert queue.num_kept == 0
     # Now ordinary, and the most recently released: evicted after `other`.
     order = _ids(queue.get_all_free_blocks())
     assert order.index(other[0].block_id) < order.index(kept[0].block_id)
     # Freed again after the lease: ordinary.
     pool.touch(kept)
     pool.free_blocks(reversed(kept))
-    assert queue.kept.num_free_blocks == 0
+    assert queue.num_kept == 0
 
 
 def test_a_renewed_lease_outlives_the_first() -> None:
@@ -117,7 +119,7 @@ def test_a_renewed_lease_outlives_the_first() -> None:
     leases.grant([2], 50.0)
     clock.t += 10.0
     assert leases.lapsed() == [1]
-    assert 2 in leases.until
+    assert leases.holds(KVCacheBlock(2)) and not leases.holds(KVCacheBlock(1))
 
 
 def test_content_less_blocks_are_never_retained() -> None:
@@ -125,7 +127,7 @@ def test_content_less_blocks_are_never_retained() -> None:
     blocks = pool.get_new_blocks(2)  # no hash: a partial block, say
     leases.grant(_ids(blocks), 60.0)
     pool.free_blocks(blocks)
-    assert queue.kept.num_free_blocks == 0  # vLLM prepends them for reuse first
+    assert queue.num_kept == 0  # vLLM prepends them for reuse first
     assert _ids(pool.get_new_blocks(2)) == _ids(blocks)
 
 
@@ -140,6 +142,64 @@ def test_the_tiers_iterate_in_eviction_order() -> None:
     assert order[-2:] == _ids(kept)
     assert _ids(list(queue.iter_blocks_after(kept[0]))) == [kept[1].block_id]
     assert _ids(list(queue.iter_blocks_after(plain[1]))) == _ids(kept)
+
+
+def test_retained_blocks_wanted_latest_are_handed_out_first() -> None:
+    """Steps-to-use: among retained free blocks, those wanted latest go first (unsaid,
+    first of all), equal times in the order freed; a block wanted sooner by a second
+    claim moves behind the rest, and back when that claim ends."""
+    pool, queue, leases, clock = _pool(10)
+    soon, late, unsaid = (_cached(pool, 2, tag) for tag in (b"s", b"l", b"u"))
+    leases.grant(_ids(soon), 60.0, use_at=clock.t + 1.0)
+    leases.grant(_ids(late), 60.0, use_at=clock.t + 9.0)
+    leases.grant(_ids(unsaid), 60.0)
+    for blocks in (soon, late, unsaid):
+        pool.free_blocks(reversed(blocks))
+    order = _ids(queue.get_all_free_blocks())[-6:]
+    assert order == _ids(unsaid[::-1] + late[::-1] + soon[::-1])
+    for bid in leases.hold("child", _ids(late), use_at=clock.t + 0.5):
+        queue.requeue(pool.blocks[bid])
+    assert _ids(queue.get_all_free_blocks())[-2:] == _ids(late)
+    for bid in leases.release_hold("child"):
+        queue.requeue(pool.blocks[bid])
+    assert _ids(queue.get_all_free_blocks())[-6:] == order[:2] + _ids(late) + order[4:]
+    pool.get_new_blocks(3)  # the never-used ordinary blocks first, then the tier
+    taken = pool.get_new_blocks(5)
+    assert _ids(taken) == order[:2] + _ids(late) + [order[4]]
+
+
+def test_a_lease_ended_by_its_key_returns_its_blocks_to_the_ordinary_queue() -> None:
+    pool, queue, leases, _ = _pool(8)
+    kept = _cached(pool, 2, b"k")
+    leases.grant(_ids(kept), 600.0, key="parent")
+    pool.free_blocks(reversed(kept))
+    assert queue.num_kept == 2
+    assert leases.end("stranger") == []
+    for bid in leases.end("parent"):
+        queue.requeue(pool.blocks[bid])
+    assert queue.num_kept == 0 and not any(leases.holds(b) for b in kept)
+    assert _ids(queue.get_all_free_blocks())[-2:] == _ids(kept)
+    assert leases.end("parent") == []  # once
+    assert leases.lapsed() == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "use", "keys"),
+    [
+        (None, float("inf"), []),
+        ({RETAIN_USE_ARG: 2.5, RELEASE_ARG: ["a", "b"]}, 2.5, ["a", "b"]),
+        ({RETAIN_USE_ARG: 0, RELEASE_ARG: "a"}, 0.0, ["a"]),
+        ({RETAIN_USE_ARG: -1, RELEASE_ARG: [1, "b", None]}, float("inf"), ["b"]),
+        ({RETAIN_USE_ARG: float("nan"), RELEASE_ARG: 7}, float("inf"), []),
+        ({RETAIN_USE_ARG: True}, float("inf"), []),
+        ({RETAIN_USE_ARG: 1e9}, MAX_RETAIN_S, []),
+    ],
+)
+def test_use_times_and_release_keys_a_request_carries(
+    extra: dict[str, object] | None, use: float, keys: list[str]
+) -> None:
+    assert retain_use_seconds(extra) == use
+    assert release_keys(extra) == keys
 
 
 @pytest.mark.parametrize(
@@ -171,11 +231,10 @@ def test_a_hold_moves_a_free_block_behind_the_ordinary_queue_until_released() ->
     pool, queue, leases, _ = _pool(8)
     prefix = _cached(pool, 2, b"h")
     pool.free_blocks(reversed(prefix))  # a parent's context, freed without a lease
-    assert queue.kept.num_free_blocks == 0
-    leases.hold("child", _ids(prefix))  # its child arrives and will hit it
-    for b in prefix:
-        queue.keep(b)
-    assert queue.kept.num_free_blocks == 2
+    assert queue.num_kept == 0
+    for bid in leases.hold("child", _ids(prefix)):  # its child arrives, will hit it
+        queue.requeue(pool.blocks[bid])
+    assert queue.num_kept == 2
     assert not set(_ids(prefix)) & set(_ids(pool.get_new_blocks(5)))  # churn passes by
     assert sorted(leases.release_hold("child")) == sorted(_ids(prefix))
     assert leases.release_hold("child") == []  # once

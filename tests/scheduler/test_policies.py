@@ -26,7 +26,7 @@ from scheduler.pricing import LinkBandwidthPricer
 from scheduler.registry import UnknownPolicy, default_registry
 from scheduler.router import Router
 from scheduler.state import Charge, ClusterState
-from scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
+from scheduler.workflow import ContextOf, Node, OutputOf, Shared, Unique, Workflow
 from scheduler.workflows import WorkflowRegistry
 
 PROFILE = load_profile("llama3-8b-h100")
@@ -564,3 +564,31 @@ def test_a_placement_asks_for_its_own_lease_else_the_drivers() -> None:
     assert Placement(0, kind, retain_s=30.0).lease_s(120.0) == 0.0
     assert Placement(0, kind, retain=True).lease_s(120.0) == 120.0
     assert Placement(0, kind, retain=True, retain_s=30.0).lease_s(120.0) == 30.0
+
+
+@pytest.mark.parametrize("by_use", [True, False])
+def test_wasma_says_when_retained_context_is_next_wanted(by_use: bool) -> None:
+    """Steps-to-use: a node whose context a child extends is retained, wanted when the
+    node is estimated to finish (its child can start then); a leaf is not retained."""
+    ctx = make_ctx(n=2, params={"retain_by_use": by_use})
+    p = policy("wasma", ctx)
+    wf = Workflow.create(
+        "wf",
+        "a",
+        0.0,
+        1000.0,
+        [
+            Node("a", (), 200, (Unique(1000),)),
+            Node("b", ("a",), 200, (ContextOf("a"), Unique(100))),
+        ],
+    )
+    ctx.workflows.register(wf, 0.0)
+    parent = p.place(req("wf/a", list(range(60)), 1000, 200, "wf", "a", 1000.0), 5.0)
+    assert parent.retain and parent.estimated_finish_s is not None
+    if by_use:
+        assert parent.retain_use_s == pytest.approx(parent.estimated_finish_s - 5.0)
+        assert parent.retain_use_s > 0
+    else:
+        assert parent.retain_use_s is None
+    child = p.place(req("wf/b", list(range(70)), 1116, 200, "wf", "b", 1000.0), 9.0)
+    assert not child.retain and child.retain_use_s is None
