@@ -79,6 +79,7 @@ class Workflow:
     graph: nx.DiGraph
     _spans: dict[str, Span] = field(default_factory=dict, repr=False)
     _order: tuple[str, ...] = field(default=(), repr=False)
+    _readers: dict[str, tuple[str, ...]] | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -168,14 +169,16 @@ class Workflow:
     def children(self, node_id: str) -> list[str]:
         return list(self.graph.successors(node_id))
 
-    def context_readers(self, node_id: str) -> list[str]:
+    def context_readers(self, node_id: str) -> tuple[str, ...]:
         """Nodes whose prompt extends this node's whole context (`ContextOf`): the
         requests that reuse its KV."""
-        return [
-            n.id
-            for n in self.nodes.values()
-            if any(isinstance(s, ContextOf) and s.node == node_id for s in n.prompt)
-        ]
+        if self._readers is None:
+            readers: dict[str, list[str]] = {}
+            for n in self.nodes.values():
+                for s in dict.fromkeys(s.node for s in n.prompt if isinstance(s, ContextOf)):
+                    readers.setdefault(s, []).append(n.id)
+            self._readers = {k: tuple(v) for k, v in readers.items()}
+        return self._readers.get(node_id, ())
 
     def __len__(self) -> int:
         return len(self.nodes)

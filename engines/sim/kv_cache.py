@@ -15,11 +15,11 @@ not one OrderedDict operation per block, with the same order as a per-block queu
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, groupby
-from operator import not_
+from operator import itemgetter, not_
 
 _NEVER = float("inf")
 
@@ -75,7 +75,8 @@ class KVCache:
         # Blocks whose hash a transfer re-cached on another block (`seed_pinned`): they
         # keep their queue place as hashed blocks, but evicting them removes nothing.
         self._stale: set[int] = set()
-        # chain hash -> when each holder of its retention next wants it (infinity: unsaid)
+        # chain hash -> when each holder of its retention next wants it, soonest first
+        # (infinity: unsaid)
         self.retained: dict[int, list[float]] = {}
         self.on_stored = on_stored
         self.on_removed = on_removed
@@ -308,13 +309,14 @@ class KVCache:
     def _queue_kept(self, blocks: list[int]) -> None:
         """Queue free retained blocks (in queue order): a run for each stretch wanted at
         the same time, placed behind the runs wanted later and any wanted as soon."""
-        retained, hash_of = self.retained, self.hash_of
-
-        def use_at(b: int) -> float:
-            return min(retained[hash_of[b]])  # type: ignore[index]
-
-        for when, group in groupby(blocks, use_at):
-            self._queue_back(list(group), kept_tier=True, use_at=when)
+        retained = self.retained
+        # A hash's use times are kept sorted: the first is when it is next wanted.
+        whens = [retained[h][0] for h in map(self.hash_of.__getitem__, blocks)]  # type: ignore[index]
+        if whens.count(whens[0]) == len(whens):
+            self._queue_back(blocks, kept_tier=True, use_at=whens[0])
+            return
+        for when, group in groupby(zip(whens, blocks, strict=True), itemgetter(0)):
+            self._queue_back([b for _, b in group], kept_tier=True, use_at=when)
 
     def _queue_back(
         self, blocks: list[int], kept_tier: bool = False, use_at: float = _NEVER
@@ -358,15 +360,17 @@ class KVCache:
         `release`. `use_at` is when the holder next wants them (steps-to-use): among
         retained blocks, those wanted latest are evicted first."""
         retained = self.retained
+        get = retained.get
         sooner: set[int] = set()  # retained already, now wanted sooner: queued anew
         for h in block_hashes:
-            uses = retained.get(h)
+            uses = get(h)  # sorted: the first is the soonest
             if uses is None:
                 retained[h] = [use_at]
+            elif use_at < uses[0]:
+                uses.insert(0, use_at)
+                sooner.add(h)
             else:
-                if use_at < min(uses):
-                    sooner.add(h)
-                uses.append(use_at)
+                insort(uses, use_at)
         move = self._free_cached(block_hashes, kept_tier=False, also_kept=sooner)
         if move:
             self._unqueue(move)
@@ -378,18 +382,20 @@ class KVCache:
         retained = self.retained
         gone: list[int] = []
         moved: list[int] = []
+        get = retained.get
         for h in block_hashes:
-            uses = retained.get(h)
+            uses = get(h)  # sorted: the first is the soonest
             if uses is None:
                 continue
             if len(uses) == 1:
                 del retained[h]
                 gone.append(h)
-                continue
-            soonest = min(uses)
-            uses.remove(use_at)
-            if use_at == soonest and min(uses) != soonest:
-                moved.append(h)
+            elif uses[0] == use_at:
+                del uses[0]
+                if uses[0] != use_at:
+                    moved.append(h)
+            else:
+                uses.remove(use_at)
         move = self._free_cached(gone, kept_tier=True)
         if move:
             self._unqueue(move)
@@ -410,6 +416,12 @@ class KVCache:
         # A block is listed once even if its hash repeats (it moves once).
         seen: set[int] = set()
         out: list[int] = []
+        if not also_kept:
+            for b in map(cached.get, hashes):
+                if b is not None and not ref[b] and type(run_of[b]) is want and b not in seen:
+                    seen.add(b)
+                    out.append(b)
+            return out
         for h in hashes:
             b = cached.get(h)
             if b is None or ref[b] or b in seen:

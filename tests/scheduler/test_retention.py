@@ -23,7 +23,7 @@ def _mapreduce() -> Workflow:
 
 def test_a_retention_is_released_on_its_engine_once_every_reader_started() -> None:
     wf, t = _mapreduce(), RetentionTracker()
-    assert wf.context_readers("plan") == ["a", "b"] and wf.context_readers("a") == []
+    assert wf.context_readers("plan") == ("a", "b") and wf.context_readers("a") == ()
     t.placed(wf, "w", "plan", "r-plan", 3, retain=True)
     t.placed(wf, "w", "a", "r-a", 1, retain=False)
     t.placed(wf, "w", "b", "r-b", 3, retain=False)
