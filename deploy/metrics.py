@@ -140,6 +140,12 @@ class WasmaMetrics:
                    gauge_mode="livesum"),
         MetricSpec("wasma_admission_rejected_total", "counter",
                    "Requests rejected by admission control (overload, deadline unreachable)."),
+        MetricSpec("wasma_retention_leases_total", "counter",
+                   "KV retention leases asked of an engine (context later requests extend).",
+                   ("engine",)),
+        MetricSpec("wasma_retention_released_total", "counter",
+                   "KV retentions ended early: every request extending the context started.",
+                   ("engine",)),
     )  # fmt: skip
 
     def __init__(
@@ -328,6 +334,14 @@ class WasmaMetrics:
     def set_queue_depth(self, depth: int) -> None:
         """Requests waiting in the router (for a parent to finish or for a placement)."""
         self._gauges["wasma_router_queue_depth"].set(depth)
+
+    def observe_retention(self, engine: str, leases: int, released: int) -> None:
+        """A request sent to `engine` asked for `leases` retention leases (0 or 1) and
+        carried `released` keys of retentions to end."""
+        if leases:
+            self._counters["wasma_retention_leases_total"].labels(engine).inc(leases)
+        if released:
+            self._counters["wasma_retention_released_total"].labels(engine).inc(released)
 
     def observe_admission_rejected(self, count: int = 1) -> None:
         """Admission control turned `count` requests away."""

@@ -721,6 +721,7 @@ class RouterService:
             # Retentions on this engine whose readers have all started ride along.
             release=self.router.retention.take(live.slot),
         )
+        self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
         try:
             gen = engine.generate(greq)
         except ValueError as exc:

@@ -117,6 +117,9 @@ async def test_a_retention_ends_once_its_readers_started_by_the_next_request_the
         assert all(seen[r].release == () for r in ("r-plan", "r-a", "r-b"))
         assert seen["r-plan"].retain_use_s == 2.0
         assert "r-plan" not in engine._kept and "r-a" in engine._kept
+        text = svc.render_metrics()[0].decode()
+        assert 'wasma_retention_leases_total{engine="s0"} 4.0' in text
+        assert 'wasma_retention_released_total{engine="s0"} 1.0' in text
     finally:
         await svc.close()
 
