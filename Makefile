@@ -36,7 +36,7 @@ test: lint
 bench: install
 	$(BIN)/python -m benchmarks.targets --out $(OUT)/bench
 
-# make bench's target cells on five trace seeds (~40 min on 2 cores).
+# make bench's target cells on five trace seeds (20-40 min on 2 cores).
 bench-seeds: install
 	$(BIN)/python -m benchmarks.target_seeds --out $(OUT)/bench-seeds
 
