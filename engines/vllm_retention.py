@@ -51,24 +51,24 @@ _NEVER = float("inf")
 _MAX_RELEASE = 1024  # keys read from one request
 
 
+def _seconds(extra_args: dict[str, Any] | None, key: str) -> float | None:
+    """A duration tag: a number >= 0, capped at `MAX_RETAIN_S`; None if absent or bad
+    (a bool, a string, a negative number, NaN)."""
+    value = (extra_args or {}).get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return None
+    return min(float(value), MAX_RETAIN_S)
+
+
 def retain_seconds(extra_args: dict[str, Any] | None) -> float:
     """The lease a request asks for, in seconds (0: none; bad values are ignored)."""
-    if not extra_args:
-        return 0.0
-    value = extra_args.get(RETAIN_ARG)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
-    if not value > 0:  # also rejects NaN
-        return 0.0
-    return min(float(value), MAX_RETAIN_S)
+    return _seconds(extra_args, RETAIN_ARG) or 0.0
 
 
 def retain_use_seconds(extra_args: dict[str, Any] | None) -> float:
     """Seconds until the retained KV is expected to be read (inf: unsaid or bad)."""
-    value = (extra_args or {}).get(RETAIN_USE_ARG)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        return _NEVER
-    return min(float(value), MAX_RETAIN_S)
+    use = _seconds(extra_args, RETAIN_USE_ARG)
+    return _NEVER if use is None else use
 
 
 def release_keys(extra_args: dict[str, Any] | None) -> list[str]:

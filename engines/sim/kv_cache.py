@@ -416,12 +416,6 @@ class KVCache:
         # A block is listed once even if its hash repeats (it moves once).
         seen: set[int] = set()
         out: list[int] = []
-        if not also_kept:
-            for b in map(cached.get, hashes):
-                if b is not None and not ref[b] and type(run_of[b]) is want and b not in seen:
-                    seen.add(b)
-                    out.append(b)
-            return out
         for h in hashes:
             b = cached.get(h)
             if b is None or ref[b] or b in seen:

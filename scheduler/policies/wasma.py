@@ -46,7 +46,6 @@ from scheduler.policy import (
     RequestInfo,
     TransferOrder,
 )
-from scheduler.workflow import ContextOf
 from scheduler.workflows import WorkflowState
 
 # Priority classes: vLLM runs lower numbers first.
@@ -132,7 +131,7 @@ class Wasma(Policy):
         # Per-token prefill cost with the step overhead amortised over a full chunk.
         self._c_prefill = st.per_prefill_token_s + st.base_s / prof.max_num_batched_tokens
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
-        self._cp_cache: dict[str, tuple[dict[str, float], frozenset[str]]] = {}
+        self._cp_cache: dict[str, dict[str, float]] = {}  # workflow -> remaining path
         self._rotate = 0
         kappa = self.p["host_contention"]
         if kappa is not None and (
@@ -183,25 +182,18 @@ class Wasma(Policy):
                 shapes.remaining_s(req.app, req.node_id),
                 shapes.context_reused(req.app, req.node_id),
             )
-        have = self._cp_cache.get(wst.workflow_id)
-        if have is None:
-            wf = wst.workflow
+        wf = wst.workflow
+        remaining = self._cp_cache.get(wst.workflow_id)
+        if remaining is None:
             prof = self.ctx.profile
             cost = {
                 n: prof.request_alone_s(wf.prompt_tokens(n), wf.nodes[n].output_tokens)
                 for n in wf.nodes
             }
-            reused = frozenset(
-                seg.node
-                for node in wf.nodes.values()
-                for seg in node.prompt
-                if isinstance(seg, ContextOf)
-            )
-            have = (wf.remaining_critical_path(cost), reused)
-            self._cp_cache[wst.workflow_id] = have
+            remaining = self._cp_cache[wst.workflow_id] = wf.remaining_critical_path(cost)
             if len(self._cp_cache) > 100_000:
                 self._cp_cache.pop(next(iter(self._cp_cache)))
-        return have[0].get(req.node_id), req.node_id in have[1]
+        return remaining.get(req.node_id), bool(wf.context_readers(req.node_id))
 
     def _priority(self, req: RequestInfo, rem: float | None, now: float) -> int:
         if not self.p["priority"]:
