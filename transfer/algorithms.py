@@ -251,7 +251,11 @@ def _host_gpus(table: LinkTable, host: str) -> list[str]:
 
 def flow_paths(table: LinkTable, src: str, dst: str, max_paths: int) -> list[tuple[str, ...]]:
     """Decompose a max flow from src to dst (GPUs only as endpoints) into paths, widest
-    first."""
+    first (memoised by the table until a link changes)."""
+    return table.flows(src, dst, max_paths, lambda: _flow_paths(table, src, dst, max_paths))
+
+
+def _flow_paths(table: LinkTable, src: str, dst: str, max_paths: int) -> list[tuple[str, ...]]:
     graph = nx.DiGraph()
     topology = table.topology
     for link in topology.links():

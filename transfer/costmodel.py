@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from transfer.plan import Hop
@@ -53,6 +53,9 @@ class LinkTable:
         self._down: set[DirectedLink] = set()
         self._load: Counter[DirectedLink] = Counter()
         self._paths: dict[DirectedLink, tuple[str, ...]] = {}
+        # Max-flow path sets per (src, dst, max paths): they read link bandwidths and
+        # failures only, so reservations and latency updates keep them.
+        self._flows: dict[tuple[str, str, int], tuple[tuple[str, ...], ...]] = {}
         self._neighbors = {d.name: sorted(topology.neighbors(d.name)) for d in topology.devices()}
         self._is_gpu = {d.name: d.kind == "gpu" for d in topology.devices()}
         self._throughput = {
@@ -61,8 +64,10 @@ class LinkTable:
         self.version = 0  # bumps on every change, so callers can drop memoised prices
 
     # state -------------------------------------------------------------------------------
-    def _changed(self) -> None:
+    def _changed(self, capacity: bool = True) -> None:
         self._paths.clear()
+        if capacity:
+            self._flows.clear()
         self.version += 1
 
     def _check(self, u: str, v: str) -> DirectedLink:
@@ -91,13 +96,13 @@ class LinkTable:
         if not throughput_Bps > 0:
             raise ValueError("throughput must be positive")
         self._throughput[node] = throughput_Bps
-        self._changed()
+        self._changed(capacity=False)
 
     def set_latency(self, u: str, v: str, latency_s: float) -> None:
         if not latency_s >= 0:
             raise ValueError("latency must be >= 0")
         self._latency[self._check(u, v)] = latency_s
-        self._changed()
+        self._changed(capacity=False)
 
     def mark_down(self, u: str, v: str) -> None:
         """Both directions: a failed cable or port carries nothing either way."""
@@ -116,7 +121,7 @@ class LinkTable:
             self._load[self._check(*link)] += count
             if self._load[link] <= 0:
                 del self._load[link]
-        self._changed()
+        self._changed(capacity=False)
 
     @property
     def load(self) -> dict[DirectedLink, int]:
@@ -124,6 +129,21 @@ class LinkTable:
         return dict(self._load)
 
     # paths -------------------------------------------------------------------------------
+    def flows(
+        self,
+        src: str,
+        dst: str,
+        max_paths: int,
+        compute: Callable[[], Sequence[tuple[str, ...]]],
+    ) -> list[tuple[str, ...]]:
+        """`compute()` (a max-flow path decomposition), memoised until a link's bandwidth
+        or state changes: pricing a pair at every size octave reuses one max flow."""
+        key = (src, dst, max_paths)
+        found = self._flows.get(key)
+        if found is None:
+            found = self._flows[key] = tuple(compute())
+        return list(found)
+
     def path(
         self, src: str, dst: str, busy: Mapping[DirectedLink, int] | None = None
     ) -> tuple[str, ...]:

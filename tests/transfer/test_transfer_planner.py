@@ -211,6 +211,42 @@ def test_striping_splits_in_proportion_to_bandwidth() -> None:
     assert plan.predicted_s < direct.predicted_s
 
 
+def test_stripe_max_flow_is_computed_once_per_pair_until_a_link_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transfer import algorithms
+
+    calls: list[tuple[str, str]] = []
+    real = algorithms._flow_paths
+
+    def counting(table: Any, src: str, dst: str, max_paths: int) -> list[tuple[str, ...]]:
+        calls.append((src, dst))
+        return real(table, src, dst, max_paths)
+
+    monkeypatch.setattr(algorithms, "_flow_paths", counting)
+    planner = Planner(build_preset("hgx-h100", 2))
+    fresh = Planner(build_preset("hgx-h100", 2))
+    plans = [
+        planner.plan("n0.gpu0", ["n1.gpu0"], 1 << k, algorithms=["stripe"]) for k in (20, 27, 33)
+    ]
+    assert calls == [("n0.gpu0", "n1.gpu0")]  # one max flow for every size
+    # Reservations change prices, not capacities: the paths are kept.
+    planner.reserve(plans[0])
+    planner.plan("n0.gpu0", ["n1.gpu0"], 1 << 30, algorithms=["stripe"])
+    planner.release(plans[0])
+    assert len(calls) == 1
+    # Memoised plans are the plans a fresh planner makes.
+    assert planner.plan("n0.gpu0", ["n1.gpu0"], 1 << 27, algorithms=["stripe"]) == fresh.plan(
+        "n0.gpu0", ["n1.gpu0"], 1 << 27, algorithms=["stripe"]
+    )
+    # A failed NIC link changes the flow: it is computed again and routed around.
+    nic_link = next((a, b) for a, b in itertools.pairwise(plans[1].hops[0].path) if ".nic" in b)
+    planner.mark_link_down(*nic_link)
+    after = planner.plan("n0.gpu0", ["n1.gpu0"], 1 << 27, algorithms=["stripe"])
+    assert len(calls) == 3  # fresh is the other
+    assert all(nic_link not in set(itertools.pairwise(h.path)) for h in after.hops)
+
+
 def test_link_sharing_between_concurrent_transfers(topos: Any) -> None:
     planner = Planner(topos.switch(4))
     first = planner.plan("n0.gpu0", ["n0.gpu1"], 1 << 30, algorithms=["direct"])
