@@ -32,6 +32,8 @@ class RunSpec:
     engines: int
     profile: str
     params: Mapping[str, Any] = field(default_factory=dict)
+    # False: the router gets requests only, as from agents that never register their DAG.
+    dags: bool = True
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
@@ -42,7 +44,13 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     profile = load_profile(spec.profile)
     workflows = load_trace(spec.trace)
     run = SimReplay(
-        workflows, spec.policy, spec.engines, profile, spec.rate_scale, params=spec.params
+        workflows,
+        spec.policy,
+        spec.engines,
+        profile,
+        spec.rate_scale,
+        params=spec.params,
+        register_dags=spec.dags,
     ).run()
     row = summarize(run, Path(spec.trace).name, profile.kv_bytes_per_token)
     # The simulator knows when a request was evicted mid-run to free KV blocks (and
@@ -50,6 +58,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     row["preemptions"] = sum(r.preemptions for r in run.requests)
     if spec.params:
         row["params"] = dict(spec.params)
+    if not spec.dags:
+        row["dags"] = False
     return row
 
 
@@ -152,6 +162,7 @@ def sweep_capacity(
     profile: str,
     params: Mapping[str, Mapping[str, Any]],
     on_row: Callable[[dict[str, Any]], None],
+    dags: bool = True,
 ) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
     """Capacity of each (trace, policy): the searches run side by side, each submitting
     its next rate as soon as its last result is in."""
@@ -162,7 +173,8 @@ def sweep_capacity(
     def launch(s: CapacitySearch) -> None:
         assert s.next_scale is not None
         pp = dict(params.get(s.policy, {}))
-        inflight[runner.submit(RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp))] = s
+        spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp, dags)
+        inflight[runner.submit(spec)] = s
 
     for s in searches.values():
         launch(s)
@@ -192,6 +204,7 @@ def bench(
     ray_address: str | None = None,
     params: Mapping[str, Mapping[str, Any]] | None = None,
     show_progress: bool = True,
+    dags: bool = True,
 ) -> dict[str, Any]:
     """Run the grid (and sweeps), write results.json and plots; return the results."""
     params = params or {}
@@ -200,7 +213,7 @@ def bench(
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, float]] = {}
     grid = [
-        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})))
+        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})), dags)
         for t in traces
         for p in policies
         for r in (rates or [])
@@ -220,7 +233,13 @@ def bench(
         runs.extend(runner.run_all(grid, tick))
         if sweep:
             found, rows = sweep_capacity(
-                runner, [(t, p) for t in traces for p in policies], engines, profile, params, tick
+                runner,
+                [(t, p) for t in traces for p in policies],
+                engines,
+                profile,
+                params,
+                tick,
+                dags,
             )
             runs.extend(rows)
             for (trace, policy), scale in found.items():

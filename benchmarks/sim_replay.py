@@ -115,6 +115,7 @@ class SimReplay:
         engine_policy: str = "priority",
         index_cap: int = 4_000_000,
         retain_lease_s: float = DEFAULT_RETAIN_S,
+        register_dags: bool = True,
     ) -> None:
         if num_engines <= 0:
             raise ValueError("need at least one engine")
@@ -162,6 +163,12 @@ class SimReplay:
         # (`Placement.retain_use_s`, steps-to-use).
         self.retain_lease_s = retain_lease_s
         self._retain: dict[str, _Retention] = {}  # request id -> its retention
+        # With `register_dags` off the router sees what an agent that never registers its
+        # DAG sends (POST /v1/workflows is optional): each request's workflow id, node id,
+        # parents, app and deadline. wasma then plans from the app shapes it learns as
+        # workflows finish. The driver, being the agent, still knows when a child is ready.
+        self.register_dags = register_dags
+        self._finished_nodes: dict[str, set[str]] = {}
         # (end, seq, request id): kept apart from the event heap, so that a lease still
         # running never counts as work that could free capacity for held requests.
         self._leases: list[tuple[float, int, str]] = []
@@ -212,6 +219,12 @@ class SimReplay:
         output = wf.nodes[node_id].output_tokens
         rid = f"{wf.workflow_id}/{node_id}"
         wst = self.ctx.workflows.get(wf.workflow_id)
+        if wst is None and not self.register_dags:
+            # A live router opens an unregistered workflow at its first request, with the
+            # deadline that request carries (relative to the workflow's start).
+            wst = self.ctx.workflows.ensure(
+                wf.workflow_id, wf.app, wf.arrival_s / self.rate_scale, wf.deadline_s
+            )
         deadline = wst.deadline_s if wst is not None else float("inf")
         info = RequestInfo(
             request_id=rid,
@@ -286,9 +299,17 @@ class SimReplay:
             )
         )
         ready = self.router.on_finish(req.request_id, wf.workflow_id, node_id, now)
+        if not self.register_dags:
+            done = self._finished_nodes.setdefault(wf.workflow_id, set())
+            done.add(node_id)
+            ready = [c for c in wf.children(node_id) if all(p in done for p in wf.nodes[c].parents)]
         self._left[wf.workflow_id] -= 1
         if self._left[wf.workflow_id] == 0:
             del self._left[wf.workflow_id]
+            if not self.register_dags:
+                # The agent's run is over: the router learns the app's shape from it.
+                self._finished_nodes.pop(wf.workflow_id, None)
+                self.ctx.workflows.close(wf.workflow_id, now)
             arrival = wf.arrival_s / self.rate_scale
             self.wf_records.append(
                 WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
@@ -319,7 +340,8 @@ class SimReplay:
                 return
 
     def _arrive(self, wf: Workflow, now: float) -> None:
-        self.ctx.workflows.register(wf, now)
+        if self.register_dags:
+            self.ctx.workflows.register(wf, now)
         self._left[wf.workflow_id] = len(wf.nodes)
         for root in wf.roots():
             self._submit(wf, root, now)

@@ -3,7 +3,8 @@
 For each app (pipeline, mapreduce, debate) on 8 simulated engines of a profile:
 1. capacity sweeps (highest rate scale with attainment >= 0.9) for every policy;
 2. every policy at 1x, 1.5x and 2x the rate where least_loaded attains 90%;
-3. an ablation: wasma with each mechanism off in turn, at 1.5x that rate;
+3. an ablation: wasma with each mechanism off in turn, and with no DAG registered (the
+   router sees requests only and learns the app's shape), at 1.5x that rate;
 4. decision latency at 64 engines with 100k indexed blocks and at 1,024 engines.
 Writes DIR/targets.json, DIR/targets.md (the tables in the README) and plots.
 """
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         path = out / f"{app}.jsonl"
         write_trace(path, generate(app, args.workflows, 1.0, seed=7, profile=profile))
         traces[app] = str(path)
-    total = len(APPS) * (len(SWEPT) * 9 + 3 * len(POLICIES) + len(ABLATIONS))
+    total = len(APPS) * (len(SWEPT) * 9 + 3 * len(POLICIES) + len(ABLATIONS) + 1)
     bar = tqdm(total=total, desc="make bench", unit="run")
     runs: list[dict[str, Any]] = []
     with Runner(args.workers, args.address) as runner:
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                 specs.append(
                     RunSpec(traces[app], "wasma", knee * 1.5, args.engines, profile.name, off)
                 )
+            # The DAG lookahead off: requests only, the app's shape learned as it runs.
+            specs.append(
+                RunSpec(traces[app], "wasma", knee * 1.5, args.engines, profile.name, dags=False)
+            )
         runs += runner.run_all(specs, lambda _row: bar.update(1))
     bar.close()
     capacity: dict[str, dict[str, float]] = {Path(t).name: {} for t in traces.values()}
@@ -153,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     results = {"runs": runs, "capacity": capacity, "decision_latency": decisions}
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot_results({"runs": [r for r in runs if not r.get("sweep") and not r.get("params")]}, out)
+    plot_results({"runs": [r for r in runs if _plain(r)]}, out)
     md = targets_markdown(results, traces)
     (out / "targets.md").write_text(md)
     print(md)
     return 0
+
+
+def _plain(row: dict[str, Any]) -> bool:
+    """A target cell's run: not a sweep step, no mechanism off, DAGs registered."""
+    return not row.get("sweep") and not row.get("params") and row.get("dags", True)
 
 
 def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
@@ -176,10 +186,7 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
             row = {
                 r["policy"]: r
                 for r in runs
-                if r["trace"] == name
-                and not r.get("sweep")
-                and not r.get("params")
-                and abs(r["rate_scale"] - knee * mult) < 1e-9
+                if r["trace"] == name and _plain(r) and abs(r["rate_scale"] - knee * mult) < 1e-9
             }
             ll, wa = row["least_loaded"], row["wasma"]
             lines.append(
@@ -211,7 +218,7 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
                 and not r.get("sweep")
                 and abs(r["rate_scale"] - knee * 1.5) < 1e-9
             ):
-                label = "all on"
+                label = "all on" if r.get("dags", True) else "no registered DAG (learned shapes)"
                 for mechanism, off in ABLATIONS.items():
                     if r.get("params") == off:
                         label = f"no {mechanism}"

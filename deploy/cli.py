@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=_positive_int, default=None)
     b.add_argument("--address", default=None, help="Ray address: run the grid as Ray tasks")
     b.add_argument(
+        "--no-dags",
+        action="store_true",
+        help="the router sees requests only (workflow id, node, parents, deadline), as from "
+        "agents that never register their DAG; wasma plans from the app shapes it learns",
+    )
+    b.add_argument(
         "--param",
         action="append",
         default=[],
@@ -263,6 +269,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         workers=args.workers,
         ray_address=args.address,
         params=params,
+        dags=not args.no_dags,
     )
     print(table(results))
     print(f"results: {Path(args.out) / 'results.json'}; plots: goodput.png, p95_latency.png")

@@ -3,9 +3,17 @@
 Live agents rarely register their DAG; they send requests with a workflow id, a node id
 and parents. From finished workflows of the same app the learner keeps, per node *role*
 (the node id with its digits folded, so `map3` and `map7` are one role):
-- how long the workflow still ran after a node of that role was submitted (its remaining
-  critical path, the quantity slack-ordered priority needs), and
+- its remaining critical path: the longest chain of requests from it to the workflow's
+  end, each costed at its latency on an idle engine, as wasma costs a registered DAG
+  (slack-ordered priority and deadline-aware admission read it), and
 - how often a later node extended that node's context (so its KV is worth retaining).
+
+The critical path follows the parents each request named. The time the workflow
+actually ran after the node is no substitute: it already holds the queueing and batching
+of the load it ran under, which admission then multiplies by the load again, and a
+router that learns that way holds back work an idle cluster could finish in time. Only a
+workflow whose requests named no parents at all falls back to that time, divided by how
+much slower than alone its requests ran.
 """
 
 from __future__ import annotations
@@ -42,11 +50,10 @@ class AppShapes:
         if end is None:
             return
         a = self.alpha
-        for node_id, ns in wf.nodes.items():
-            if ns.submitted_s is None:
-                continue
+        remaining = _remaining_alone(wf, end)
+        for node_id, rem in remaining.items():
+            ns = wf.nodes[node_id]
             key = (wf.app, role_of(node_id))
-            rem = max(end - ns.submitted_s, 0.0)
             reused = 1.0 if ns.context_reused else 0.0
             st = self._roles.get(key)
             if st is None:
@@ -69,3 +76,31 @@ class AppShapes:
 
     def __len__(self) -> int:
         return len(self._roles)
+
+
+def _remaining_alone(wf: WorkflowState, end: float) -> dict[str, float]:
+    """Each submitted node's remaining critical path in idle-engine seconds."""
+    submitted = {n: ns.submitted_s for n, ns in wf.nodes.items() if ns.submitted_s is not None}
+    nodes = {n: wf.nodes[n] for n in submitted}
+    if len(nodes) > 1 and not any(ns.parents for ns in nodes.values()):
+        # No edges to follow: the time the workflow ran after each node, scaled by the
+        # slowdown its requests saw (time to finish over time alone, summed).
+        ran = alone = 0.0
+        for n, ns in nodes.items():
+            if ns.finished_s is not None:
+                ran += ns.finished_s - submitted[n]
+                alone += ns.alone_s
+        scale = alone / ran if alone > 0 and ran > 0 else 1.0
+        return {n: max(end - t, 0.0) * scale for n, t in submitted.items()}
+    children: dict[str, list[str]] = {}
+    for n, ns in nodes.items():
+        for p in ns.parents:
+            if p in nodes:
+                children.setdefault(p, []).append(n)
+    # A child is submitted after its parents finish, so latest-submitted first is a
+    # reverse topological order; a child not yet costed (a misreported parent) is skipped.
+    tail: dict[str, float] = {}
+    for n in sorted(submitted, key=submitted.__getitem__, reverse=True):
+        later = [tail[c] for c in children.get(n, ()) if c in tail]
+        tail[n] = nodes[n].alone_s + max(later, default=0.0)
+    return tail

@@ -60,7 +60,13 @@ class Router:
             placement.retain and placement.retain_use_s is not None,
         )
         self.ctx.workflows.mark_submitted(
-            req.workflow_id, req.node_id, placement.engine, now, req.block_hashes, req.parents
+            req.workflow_id,
+            req.node_id,
+            placement.engine,
+            now,
+            req.block_hashes,
+            req.parents,
+            self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens),
         )
         return placement
 

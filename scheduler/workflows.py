@@ -22,6 +22,10 @@ class NodeState:
     prompt_blocks: int = 0
     last_prompt_hash: int | None = None  # chain hash of the prompt's last full block
     context_reused: bool = False  # a later node's prompt extended this node's context
+    # What the request said of itself, for learning the app's shape: its parents and its
+    # latency on an idle engine (the unit of a registered DAG's critical path).
+    parents: tuple[str, ...] = ()
+    alone_s: float = 0.0
 
 
 @dataclass
@@ -103,6 +107,7 @@ class WorkflowRegistry:
         now: float,
         block_hashes: Sequence[int] = (),
         parents: Sequence[str] = (),
+        alone_s: float = 0.0,
     ) -> None:
         st = self.active.get(workflow_id)
         if st is None:
@@ -110,6 +115,8 @@ class WorkflowRegistry:
         ns = st.node(node_id)
         ns.engine = engine
         ns.submitted_s = now
+        ns.parents = tuple(parents)
+        ns.alone_s = alone_s
         ns.prompt_blocks = len(block_hashes)
         ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
         # Does this prompt extend a parent's context? Chain hashes make it one compare.

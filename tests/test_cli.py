@@ -174,6 +174,15 @@ def test_bench_defaults_to_rate_one_and_accepts_params(trace_file: Path, tmp_pat
     assert run["rate_scale"] == 1.0 and run["params"] == {"transfer": False}
 
 
+def test_bench_no_dags_replays_requests_only(trace_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    argv = ["bench", "--trace", str(trace_file), "--policies", "wasma", "--engines", "2"]
+    assert main([*argv, "--workers", "1", "--no-dags", "--sweep", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["runs"] and all(r["dags"] is False for r in res["runs"])  # sweep runs too
+    assert res["capacity"]["debate.jsonl"]["wasma"] > 0
+
+
 def bench_argv(trace: Path | str, tmp_path: Path, *extra: str) -> list[str]:
     return [
         "bench",

@@ -88,6 +88,33 @@ def test_runs_are_deterministic(policy: str) -> None:
     ]
 
 
+@pytest.mark.parametrize("app", APPS)
+def test_without_registered_dags_the_router_sees_requests_and_learns_shapes(app: str) -> None:
+    wfs = trace(app, n=10)
+    replay = SimReplay(wfs, "wasma", 3, PROFILE, register_dags=False)
+    run = replay.run()
+    assert len(run.workflows) == len(wfs)
+    assert len(run.requests) == sum(len(w) for w in wfs)
+    by_node = {(r.workflow_id, r.node_id): r for r in run.requests}
+    for w in wfs:
+        for n, node in w.nodes.items():
+            for p in node.parents:  # the driver still runs a child after its parents
+                assert by_node[(w.workflow_id, n)].submit_s >= by_node[(w.workflow_id, p)].finish_s
+    registry = replay.ctx.workflows
+    assert not registry.active
+    closed = [registry.get(w.workflow_id) for w in wfs]
+    assert all(st is not None and st.workflow is None for st in closed)  # never a DAG
+    # Each workflow kept the deadline its requests carried, from its first request.
+    for w, st in zip(wfs, closed, strict=True):
+        assert st is not None and st.deadline_s == pytest.approx(w.arrival_s + w.deadline_s)
+    roots = {n for w in wfs for n in w.roots()}
+    assert all(replay.ctx.shapes.remaining_s(app, n) is not None for n in roots)
+    # A policy that never reads the DAG places every request the same either way.
+    plain = SimReplay(wfs, "least_loaded", 3, PROFILE).run()
+    blind = SimReplay(wfs, "least_loaded", 3, PROFILE, register_dags=False).run()
+    assert records(plain) == records(blind)
+
+
 def test_rate_scale_compresses_arrivals() -> None:
     wfs = trace("debate")
     run = SimReplay(wfs, "least_loaded", 2, PROFILE, rate_scale=2.0).run()

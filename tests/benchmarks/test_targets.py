@@ -1,0 +1,44 @@
+"""The `make bench` report (benchmarks/targets.py): which run fills which cell."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.targets import ABLATIONS, SWEPT, targets_markdown
+
+
+def _row(policy: str, scale: float, attainment: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "trace": "mapreduce.jsonl",
+        "policy": policy,
+        "rate_scale": scale,
+        "deadline_attainment": attainment,
+        "goodput_wf_per_s": attainment,
+        "p95_workflow_s": 10.0,
+        "prefix_hit_ratio": 0.5,
+        **extra,
+    }
+
+
+def test_target_cells_use_plain_runs_and_the_ablation_labels_each_variant() -> None:
+    knee = 2.0
+    runs = []
+    for mult in (1.0, 1.5, 2.0):
+        runs += [_row("least_loaded", knee * mult, 0.5), _row("wasma", knee * mult, 0.9)]
+    # Runs at the same rate that must not fill a target cell.
+    runs.append(_row("wasma", knee * 1.5, 0.11, params=ABLATIONS["transfer"]))
+    runs.append(_row("wasma", knee * 1.5, 0.22, dags=False))
+    runs.append(_row("wasma", knee * 1.5, 0.33, sweep=True))
+    results = {
+        "runs": runs,
+        "capacity": {"mapreduce.jsonl": dict.fromkeys(SWEPT, knee)},
+        "decision_latency": {
+            "64_engines": {"p50_us": 1.0, "p99_us": 2.0, "cpu_p50_us": 1.0, "cpu_p99_us": 2.0}
+        },
+    }
+    md = targets_markdown(results, {"mapreduce": "out/mapreduce.jsonl"})
+    assert "| mapreduce | 1.5x (3) | 1.00 | 1.80 | 0.500 | 0.900 |" in md
+    assert "| mapreduce | all on | 0.900 |" in md
+    assert "| mapreduce | no transfer | 0.110 |" in md
+    assert "| mapreduce | no registered DAG (learned shapes) | 0.220 |" in md
+    assert "0.330" not in md  # a sweep step is no cell
