@@ -2,10 +2,15 @@
 
     python -m benchmarks.sim_speed                     # the three apps at 8 engines
     python -m benchmarks.sim_speed --large             # + 1,024 engines, 100,000 workflows
+    python -m benchmarks.sim_speed --token-scale 0.02  # the same apps, 50x fewer tokens
 
 CPU time (time.process_time) is reported beside wall time: on a shared machine, wall time
 also counts other processes' turns on the core. Other processes still slow a run's CPU
 time (shared caches, hyperthreads), so `--repeat N` keeps the fastest of N runs.
+
+`--token-scale` shrinks every prompt and output (as `wasma trace gen --token-scale`): with
+a few KV blocks a request, what is left is the simulator's cost per request and per step,
+apart from its cost per block.
 """
 
 from __future__ import annotations
@@ -23,10 +28,16 @@ from engines.sim.profile import load_profile
 
 
 def measure(
-    app: str, workflows: int, rate: float, engines: int, policy: str, repeat: int = 1
+    app: str,
+    workflows: int,
+    rate: float,
+    engines: int,
+    policy: str,
+    repeat: int = 1,
+    token_scale: float = 1.0,
 ) -> dict[str, Any]:
     profile = load_profile("llama3-8b-h100")
-    wfs = generate(app, workflows, rate, seed=11, profile=profile)
+    wfs = generate(app, workflows, rate, seed=11, profile=profile, token_scale=token_scale)
     best: tuple[float, float, RunResult] | None = None
     for _ in range(max(repeat, 1)):
         c0, t0 = time.process_time(), time.perf_counter()
@@ -42,6 +53,7 @@ def measure(
         "policy": policy,
         "engines": engines,
         "workflows": workflows,
+        "token_scale": token_scale,
         "requests": n,
         "engine_steps": run.engine_steps,
         "cpu_s": round(cpu, 2),
@@ -59,12 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large-workflows", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=1, help="keep the fastest of N runs")
     ap.add_argument("--policies", default="least_loaded,wasma")
+    ap.add_argument(
+        "--token-scale", type=float, default=1.0, help="scale every prompt and output length"
+    )
     args = ap.parse_args(argv)
+    if not 0 < args.token_scale <= 100:
+        ap.error("--token-scale must be in (0, 100]")
     rows = []
     # Loads near least_loaded's knee on 8 engines (see README): the cluster is busy.
     for app, rate in (("pipeline", 3.0), ("mapreduce", 3.0), ("debate", 4.0)):
         for policy in args.policies.split(","):
-            row = measure(app, 500, rate, 8, policy, args.repeat)
+            row = measure(app, 500, rate, 8, policy, args.repeat, args.token_scale)
             rows.append(row)
             print(json.dumps(row))
     if args.large:

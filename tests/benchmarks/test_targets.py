@@ -42,3 +42,6 @@ def test_target_cells_use_plain_runs_and_the_ablation_labels_each_variant() -> N
     assert "| mapreduce | no transfer | 0.110 |" in md
     assert "| mapreduce | no registered DAG (learned shapes) | 0.220 |" in md
     assert "0.330" not in md  # a sweep step is no cell
+    # The DAG-less run has its own table, beside the run with the DAG at the same rate.
+    assert "| mapreduce | 1.5x | 0.900 / 0.220 | 1.00 / 1.00 | 1.80 / 0.44 |" in md
+    assert "| mapreduce | 2x | " not in md  # no DAG-less run there: no row

@@ -1,0 +1,23 @@
+"""The simulator-speed benchmark (benchmarks/sim_speed.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.sim_speed import main, measure
+
+
+def test_measure_reports_requests_per_cpu_second_at_a_token_scale() -> None:
+    full = measure("mapreduce", 4, 2.0, 2, "least_loaded")
+    small = measure("mapreduce", 4, 2.0, 2, "least_loaded", token_scale=0.1)
+    assert full["requests"] == small["requests"] > 0  # the same workflows, shorter
+    assert small["token_scale"] == 0.1 and full["token_scale"] == 1.0
+    for row in (full, small):
+        assert row["requests_per_cpu_s"] > 0 and row["engine_steps"] > 0
+
+
+def test_a_token_scale_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--token-scale", "0"])
+    assert exc.value.code == 2
+    assert "--token-scale must be in (0, 100]" in capsys.readouterr().err
