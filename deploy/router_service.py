@@ -718,6 +718,8 @@ class RouterService:
             kv_transfer=kv_transfer,
             retain_s=placement.lease_s(self.retain_lease_s),
             retain_use_s=placement.retain_use_s if placement.retain else None,
+            # The router's id: a failover's resubmission is released by it all the same.
+            retain_key=req.request_id,
             # Retentions on this engine whose readers have all started ride along.
             release=self.router.retention.take(live.slot),
         )

@@ -90,6 +90,9 @@ class GenerateRequest:
     retain_use_s: float | None = None
     # Retentions on this engine to end now (their keys: the request ids that asked).
     release: tuple[str, ...] = ()
+    # The key the router will release this retention by: its own id for the request,
+    # which a failover keeps while the engine sees a new `request_id` ("" = request_id).
+    retain_key: str = ""
 
     def retention_args(self) -> dict[str, object]:
         """The request's retention tags as wasma's retaining vLLM scheduler reads them
@@ -97,7 +100,7 @@ class GenerateRequest:
         args: dict[str, object] = {}
         if self.retain_s > 0:
             args[RETAIN_ARG] = self.retain_s
-            args[RETAIN_KEY_ARG] = self.request_id
+            args[RETAIN_KEY_ARG] = self.retain_key or self.request_id
             if self.retain_use_s is not None:
                 args[RETAIN_USE_ARG] = self.retain_use_s
         if self.release:

@@ -52,6 +52,7 @@ class _Pending:
     sent: int = 0  # output tokens emitted so far
     finished: bool = False
     retain_s: float = 0.0  # the KV retention lease the request asked for (wall seconds)
+    retain_key: str = ""  # what the router releases that retention by
     # An exception in the queue is the engine failing the request (fault injection).
     queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
 
@@ -93,7 +94,8 @@ class SimEngine(EngineClient):
         # (engines/vllm_retention.py): key (the request id) -> (block hashes, when they
         # are next wanted), from the request's arrival until its lease ends or the router
         # releases it; and the leases, (simulated end, seq, key), soonest first.
-        self._kept: dict[str, tuple[list[int], float]] = {}
+        # retention key -> (its chain, when it is next wanted, the request that asked)
+        self._kept: dict[str, tuple[list[int], float, str]] = {}
         self._leases: list[tuple[float, int, str]] = []
         self._lease_seq = 0
 
@@ -187,7 +189,7 @@ class SimEngine(EngineClient):
         if p.retain_s <= 0:
             return
         end = self._now() + p.retain_s * self._speed
-        heapq.heappush(self._leases, (end, self._lease_seq, p.req.request_id))
+        heapq.heappush(self._leases, (end, self._lease_seq, p.retain_key))
         self._lease_seq += 1
         p.retain_s = 0.0  # once
 
@@ -200,9 +202,10 @@ class SimEngine(EngineClient):
     def _release(self, key: str) -> None:
         """End the retention `key` (lapsed, or released by the router) if it still runs
         and its request has left the engine."""
-        if key in self._pending or key not in self._kept:
+        kept = self._kept.get(key)
+        if kept is None or kept[2] in self._pending:
             return
-        hashes, use_at = self._kept.pop(key)
+        hashes, use_at, _rid = self._kept.pop(key)
         self.core.sync(self._now())  # a macro step brings its KV up to now first
         self.core.kv.release(hashes, use_at)
 
@@ -221,13 +224,14 @@ class SimEngine(EngineClient):
             request.request_id, hashes, len(prompt), request.max_tokens, request.priority
         )
         self.core.add_request(req, self._now())  # raises ValueError past max_model_len
-        pending = _Pending(req, output, retain_s=request.retain_s)
+        retain_key = request.retain_key or request.request_id
+        pending = _Pending(req, output, retain_s=request.retain_s, retain_key=retain_key)
         self._pending[request.request_id] = pending
         if self.core.busy:
             self.core.interrupt(self._now())
         for key in request.release:
             self._release(key)
-        if request.retain_s > 0 and request.request_id not in self._kept:
+        if request.retain_s > 0 and retain_key not in self._kept:
             # As wasma's vLLM scheduler does: from arrival (the cached prefix it will hit)
             # until the lease after it finishes (all of its blocks), kept behind every
             # ordinary free block, wanted at `retain_use_s`. A macro step's KV is brought
@@ -237,7 +241,7 @@ class SimEngine(EngineClient):
             use_at = float("inf") if use is None else now + use * self._speed
             self.core.sync(now)
             self.core.kv.retain(hashes, use_at)
-            self._kept[request.request_id] = (hashes, use_at)
+            self._kept[retain_key] = (hashes, use_at, request.request_id)
         self._wake()
         try:
             while True:

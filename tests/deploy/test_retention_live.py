@@ -34,8 +34,8 @@ class _SizesLeases(_RetainsPlanners):
 
 
 class _Recording(SimEngine):
-    def __init__(self) -> None:
-        super().__init__("s0", PROFILE, speed=100.0)
+    def __init__(self, name: str = "s0") -> None:
+        super().__init__(name, PROFILE, speed=100.0)
         self.seen: list[GenerateRequest] = []
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -120,6 +120,62 @@ async def test_a_retention_ends_once_its_readers_started_by_the_next_request_the
         text = svc.render_metrics()[0].decode()
         assert 'wasma_retention_leases_total{engine="s0"} 4.0' in text
         assert 'wasma_retention_released_total{engine="s0"} 1.0' in text
+    finally:
+        await svc.close()
+
+
+_PLAN_AND_READERS = {
+    "workflow_id": "wf",
+    "nodes": [
+        {"id": "plan", "output_tokens": 200, "prompt": [{"unique": 64}]},
+        {
+            "id": "a",
+            "parents": ["plan"],
+            "output_tokens": 4,
+            "prompt": [{"context": "plan"}, {"unique": 16}],
+        },
+    ],
+}
+
+
+class _RetainsOnFirstHealthy(Policy):
+    name = "first_healthy"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        slot = self.healthy_slots()[0]
+        return Placement(
+            slot, PlacementKind.RECOMPUTE, retain=True, retain_s=60.0, retain_use_s=1.0
+        )
+
+
+async def test_a_retention_moved_by_a_failover_is_released_by_the_routers_id() -> None:
+    """The engine dies mid-stream; the planner goes on on the other engine under a new
+    engine-level id (`r-plan~1`). Its retention there is still the router's `r-plan`, so
+    the release the router sends once the reader started ends it, not only its lease."""
+    reg = PolicyRegistry()
+    reg.register(_RetainsOnFirstHealthy.name, _RetainsOnFirstHealthy)
+    first, second = _Recording("s0"), _Recording("s1")
+    svc = RouterService([first, second], PROFILE, policy=_RetainsOnFirstHealthy.name, registry=reg)
+    await svc.start()
+    try:
+        svc.register_workflow(_PLAN_AND_READERS)
+        plan = [11] * 64
+        stream = await svc.open(ServiceRequest("r-plan", plan, 200, WorkflowIdentity("wf", "plan")))
+        out = list((await stream.__anext__()).token_ids)
+        first.kill()
+        async for chunk in stream:
+            out.extend(chunk.token_ids)
+        await stream.aclose()
+        assert len(out) == 200 and stream.resumed == 1
+        (moved,) = second.seen
+        assert moved.request_id == "r-plan~1" and moved.retain_key == "r-plan"
+        assert moved.retention_args()["wasma_retain_key"] == "r-plan"
+        assert set(second._kept) == {"r-plan"}
+        reader = ServiceRequest("r-a", plan + [1] * 16, 4, WorkflowIdentity("wf", "a"))
+        await svc.complete(reader)
+        await svc.complete(ServiceRequest("r-next", [5] * 32, 4, WorkflowIdentity()))
+        assert second.seen[-1].release == ("r-plan",)
+        assert "r-plan" not in second._kept  # ended by the release
     finally:
         await svc.close()
 
