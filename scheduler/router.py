@@ -58,6 +58,7 @@ class Router:
             req.request_id,
             placement.engine,
             placement.retain and placement.retain_use_s is not None,
+            req.parents,
         )
         self.ctx.workflows.mark_submitted(
             req.workflow_id,
@@ -88,4 +89,5 @@ class Router:
         """A request finished; returns the workflow's children that became ready."""
         self.ctx.state.on_finish(request_id)
         self._forget_inflight(request_id)
+        self.retention.finished(request_id)
         return self.ctx.workflows.mark_finished(workflow_id, node_id, now)

@@ -38,11 +38,46 @@ def test_a_retention_is_released_on_its_engine_once_every_reader_started() -> No
     assert len(t) == 0
 
 
-def test_nothing_is_tracked_without_a_dag_or_without_readers() -> None:
+def test_nothing_is_tracked_for_a_dag_node_without_readers() -> None:
     wf, t = _mapreduce(), RetentionTracker()
-    t.placed(None, "w", "plan", "r-plan", 0, retain=True)
     t.placed(wf, "w", "join", "r-join", 0, retain=True)  # nobody extends the reducer
     assert len(t) == 0
+
+
+def test_without_a_dag_the_requests_naming_it_are_its_readers() -> None:
+    """No DAG: readers are counted as they arrive. Siblings are ready together, so once one
+    of them has finished, the retention ends when every reader seen has started."""
+    t = RetentionTracker()
+    t.placed(None, "w", "plan", "r-plan", 2, retain=True)
+    t.started("r-plan")
+    t.finished("r-plan")  # its own end releases nothing: no reader yet
+    t.placed(None, "w", "a", "r-a", 2, retain=False, parents=("plan",))
+    t.placed(None, "w", "b", "r-b", 1, retain=False, parents=("plan",))
+    t.placed(None, "w", "c", "r-c", 1, retain=False, parents=("other",))  # not a reader
+    t.started("r-a")
+    t.started("r-b")
+    assert t.take(2) == ()  # every reader seen started, but more may be on their way
+    t.finished("r-c")
+    assert t.take(2) == ()
+    t.finished("r-a")
+    assert t.take(2) == ("r-plan",) and len(t) == 0
+    t.finished("r-b")  # later ends change nothing
+    assert t.take(2) == ()
+
+
+def test_without_a_dag_a_reader_still_waiting_keeps_it() -> None:
+    t = RetentionTracker()
+    t.placed(None, "w", "plan", "r-plan", 0, retain=True)
+    t.placed(None, "w", "a", "r-a", 0, retain=False, parents=("plan",))
+    t.placed(None, "w", "b", "r-b", 0, retain=False, parents=("plan",))
+    t.started("r-a")
+    t.finished("r-a")
+    assert t.take(0) == ()  # b has not started: it still needs the KV
+    t.started("r-b")
+    assert t.take(0) == ("r-plan",)
+    # A retention nobody reads is left to its lease.
+    t.placed(None, "w2", "plan", "r2", 0, retain=True)
+    assert len(t) == 1 and t.take(0) == ()
 
 
 def test_a_lost_engine_drops_what_it_kept_and_what_was_queued_for_it() -> None:
