@@ -8,10 +8,11 @@ counts the readers still to start and, when none is left, queues the retention's
 release on its engine. Drivers send the queued keys along with the next request they
 place there (`GenerateRequest.release`): an engine has no other channel from the router.
 
-With a registered DAG the readers are known ahead. Without one, the requests that name
-the retained node as a parent are its readers, counted as they arrive. How many more will
-come is unknown, but the children of one node are ready together, when it finishes, so
-the retention ends once a reader has finished and every reader seen so far has started.
+With a registered DAG the readers are known ahead. Without one, the requests whose prompt
+extends the retained node's are its readers, counted as they arrive. How many more will
+come is unknown, but requests that continue one context are mostly ready together (the
+children of one node, when it finishes), so the retention ends once a reader has
+finished and every reader seen so far has started.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class _Kept:
     key: str  # what the engine knows the retention by: the request id
     engine: int
     readers: int  # readers not yet started (without a DAG: of those seen so far)
-    learned: bool = False  # no DAG: readers are the requests that name it as a parent
+    learned: bool = False  # no DAG: readers are the requests that extend its prompt
     reader_done: bool = False  # (no DAG) a reader has finished
 
 
@@ -55,13 +56,13 @@ class RetentionTracker:
         request_id: str,
         engine: int,
         retain: bool,
-        parents: Sequence[str] = (),
+        extends: Sequence[str] = (),
     ) -> None:
         """A request was sent to `engine`; `retain` if it asked the engine to keep its KV
-        (under the key `request_id`). `parents`: the nodes the request named (read
-        without a DAG)."""
+        (under the key `request_id`). `extends`: the earlier nodes whose prompt its prompt
+        extends (`WorkflowRegistry.mark_submitted`; what is read without a DAG)."""
         if workflow is None or node_id not in workflow.nodes:
-            self._placed_without_dag(workflow_id, node_id, request_id, engine, retain, parents)
+            self._placed_without_dag(workflow_id, node_id, request_id, engine, retain, extends)
             return
         reads = [
             (workflow_id, s.node)
@@ -84,10 +85,10 @@ class RetentionTracker:
         request_id: str,
         engine: int,
         retain: bool,
-        parents: Sequence[str],
+        extends: Sequence[str],
     ) -> None:
         reads = []
-        for p in parents:
+        for p in extends:
             entry = self._kept.get((workflow_id, p))
             if entry is not None and entry.learned:
                 entry.readers += 1

@@ -50,6 +50,15 @@ class Router:
         if hashes and self.policy.reads_inflight:
             self._inflight[req.request_id] = (name, hashes)
             self.ctx.inflight.apply(BlockStored(name, hashes, None))
+        extends = self.ctx.workflows.mark_submitted(
+            req.workflow_id,
+            req.node_id,
+            placement.engine,
+            now,
+            req.block_hashes,
+            req.parents,
+            self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens),
+        )
         wst = self.ctx.workflows.get(req.workflow_id)
         self.retention.placed(
             wst.workflow if wst is not None else None,
@@ -58,16 +67,7 @@ class Router:
             req.request_id,
             placement.engine,
             placement.retain and placement.retain_use_s is not None,
-            req.parents,
-        )
-        self.ctx.workflows.mark_submitted(
-            req.workflow_id,
-            req.node_id,
-            placement.engine,
-            now,
-            req.block_hashes,
-            req.parents,
-            self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens),
+            extends,
         )
         return placement
 

@@ -108,10 +108,12 @@ class WorkflowRegistry:
         block_hashes: Sequence[int] = (),
         parents: Sequence[str] = (),
         alone_s: float = 0.0,
-    ) -> None:
+    ) -> list[str]:
+        """Record a node's request; returns the earlier nodes whose context its prompt
+        extends (the requests reading their KV)."""
         st = self.active.get(workflow_id)
         if st is None:
-            return
+            return []
         ns = st.node(node_id)
         ns.engine = engine
         ns.submitted_s = now
@@ -119,16 +121,23 @@ class WorkflowRegistry:
         ns.alone_s = alone_s
         ns.prompt_blocks = len(block_hashes)
         ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
-        # Does this prompt extend a parent's context? Chain hashes make it one compare.
-        for p in parents:
-            ps = st.nodes.get(p)
+        # Whose context does this prompt extend? Any earlier node of the workflow, not
+        # only a named parent: a loop's next round continues a conversation it does not
+        # name (an engineer's second round names the review). Chain hashes make each a
+        # single compare.
+        extended: list[str] = []
+        n = len(block_hashes)
+        for other, ps in st.nodes.items():
+            k = ps.prompt_blocks
             if (
-                ps is not None
+                other != node_id
                 and ps.last_prompt_hash is not None
-                and len(block_hashes) > ps.prompt_blocks
-                and block_hashes[ps.prompt_blocks - 1] == ps.last_prompt_hash
+                and n > k
+                and block_hashes[k - 1] == ps.last_prompt_hash
             ):
                 ps.context_reused = True
+                extended.append(other)
+        return extended
 
     def mark_finished(self, workflow_id: str, node_id: str, now: float) -> list[str]:
         """Record a node's end; returns children that became ready."""

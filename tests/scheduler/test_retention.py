@@ -45,15 +45,16 @@ def test_nothing_is_tracked_for_a_dag_node_without_readers() -> None:
 
 
 def test_without_a_dag_the_requests_naming_it_are_its_readers() -> None:
-    """No DAG: readers are counted as they arrive. Siblings are ready together, so once one
-    of them has finished, the retention ends when every reader seen has started."""
+    """No DAG: the requests extending its prompt are its readers, counted as they arrive.
+    Siblings are ready together, so once one of them has finished, the retention ends
+    when every reader seen has started."""
     t = RetentionTracker()
     t.placed(None, "w", "plan", "r-plan", 2, retain=True)
     t.started("r-plan")
     t.finished("r-plan")  # its own end releases nothing: no reader yet
-    t.placed(None, "w", "a", "r-a", 2, retain=False, parents=("plan",))
-    t.placed(None, "w", "b", "r-b", 1, retain=False, parents=("plan",))
-    t.placed(None, "w", "c", "r-c", 1, retain=False, parents=("other",))  # not a reader
+    t.placed(None, "w", "a", "r-a", 2, retain=False, extends=("plan",))
+    t.placed(None, "w", "b", "r-b", 1, retain=False, extends=("plan",))
+    t.placed(None, "w", "c", "r-c", 1, retain=False, extends=("other",))  # not a reader
     t.started("r-a")
     t.started("r-b")
     assert t.take(2) == ()  # every reader seen started, but more may be on their way
@@ -68,8 +69,8 @@ def test_without_a_dag_the_requests_naming_it_are_its_readers() -> None:
 def test_without_a_dag_a_reader_still_waiting_keeps_it() -> None:
     t = RetentionTracker()
     t.placed(None, "w", "plan", "r-plan", 0, retain=True)
-    t.placed(None, "w", "a", "r-a", 0, retain=False, parents=("plan",))
-    t.placed(None, "w", "b", "r-b", 0, retain=False, parents=("plan",))
+    t.placed(None, "w", "a", "r-a", 0, retain=False, extends=("plan",))
+    t.placed(None, "w", "b", "r-b", 0, retain=False, extends=("plan",))
     t.started("r-a")
     t.finished("r-a")
     assert t.take(0) == ()  # b has not started: it still needs the KV

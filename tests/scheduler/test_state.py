@@ -70,6 +70,23 @@ def test_registry_ready_children_and_close() -> None:
     assert len(reg) == 0 and reg.get("w") is st  # kept among the finished
 
 
+def test_registry_finds_whose_context_a_prompt_extends_named_or_not() -> None:
+    """A loop's next round continues an engineer's conversation but names the review as
+    its parent: the engineer's context is still the one it extends."""
+    reg = WorkflowRegistry()
+    st = reg.ensure("w", "team", 0.0)
+    eng = [1, 2, 3, 4]  # block hashes of its prompt
+    assert reg.mark_submitted("w", "eng0", 0, 0.0, eng) == []
+    assert reg.mark_submitted("w", "eng1", 0, 0.0, [1, 2, 9, 8]) == []  # a shared head only
+    assert reg.mark_submitted("w", "review", 1, 1.0, [7, 7], parents=("eng0", "eng1")) == []
+    again = [*eng, 5, 6]
+    assert reg.mark_submitted("w", "eng0.r1", 0, 2.0, again, parents=("review",)) == ["eng0"]
+    assert st.nodes["eng0"].context_reused and not st.nodes["review"].context_reused
+    # A later round extends every round before it.
+    assert reg.mark_submitted("w", "eng0.r2", 0, 3.0, [*again, 8]) == ["eng0", "eng0.r1"]
+    assert reg.mark_submitted("x", "n", 0, 0.0, eng) == []  # no such workflow
+
+
 def test_registry_keeps_a_bounded_number_of_finished() -> None:
     reg = WorkflowRegistry(keep_finished=2)
     for i in range(4):
