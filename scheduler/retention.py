@@ -88,7 +88,8 @@ class RetentionTracker:
         extends: Sequence[str],
     ) -> None:
         reads = []
-        for p in extends:
+        # A failover places a request again: it is counted as a reader once.
+        for p in extends if request_id not in self._reading else ():
             entry = self._kept.get((workflow_id, p))
             if entry is not None and entry.learned:
                 entry.readers += 1

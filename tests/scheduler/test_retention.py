@@ -74,6 +74,7 @@ def test_without_a_dag_a_reader_still_waiting_keeps_it() -> None:
     t.started("r-a")
     t.finished("r-a")
     assert t.take(0) == ()  # b has not started: it still needs the KV
+    t.placed(None, "w", "b", "r-b", 1, retain=False, extends=("plan",))  # a failover
     t.started("r-b")
     assert t.take(0) == ("r-plan",)
     # A retention nobody reads is left to its lease.
