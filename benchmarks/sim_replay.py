@@ -302,7 +302,7 @@ class SimReplay:
         if not self.register_dags:
             done = self._finished_nodes.setdefault(wf.workflow_id, set())
             done.add(node_id)
-            ready = [c for c in wf.children(node_id) if all(p in done for p in wf.nodes[c].parents)]
+            ready = wf.ready_children(node_id, done.__contains__)
         self._left[wf.workflow_id] -= 1
         if self._left[wf.workflow_id] == 0:
             del self._left[wf.workflow_id]

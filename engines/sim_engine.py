@@ -91,10 +91,10 @@ class SimEngine(EngineClient):
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         # KV retention, as wasma's retaining vLLM scheduler keeps it
-        # (engines/vllm_retention.py): key (the request id) -> (block hashes, when they
-        # are next wanted), from the request's arrival until its lease ends or the router
-        # releases it; and the leases, (simulated end, seq, key), soonest first.
-        # retention key -> (its chain, when it is next wanted, the request that asked)
+        # (engines/vllm_retention.py): retention key (the router's request id) -> (its
+        # chain, when it is next wanted, the request that asked), from the request's
+        # arrival until its lease ends or the router releases it; and the leases,
+        # (simulated end, seq, key), soonest first.
         self._kept: dict[str, tuple[list[int], float, str]] = {}
         self._leases: list[tuple[float, int, str]] = []
         self._lease_seq = 0

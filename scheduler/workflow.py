@@ -8,7 +8,7 @@ tell which requests will share which KV cache before any of them runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -168,6 +168,10 @@ class Workflow:
 
     def children(self, node_id: str) -> list[str]:
         return list(self.graph.successors(node_id))
+
+    def ready_children(self, node_id: str, finished: Callable[[str], bool]) -> list[str]:
+        """Children of `node_id` whose parents have all `finished`."""
+        return [c for c in self.children(node_id) if all(map(finished, self.nodes[c].parents))]
 
     def context_readers(self, node_id: str) -> tuple[str, ...]:
         """Nodes whose prompt extends this node's whole context (`ContextOf`): the

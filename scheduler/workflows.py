@@ -49,12 +49,10 @@ class WorkflowState:
         wf = self.workflow
         if wf is None:
             return []
-        out = []
-        for child in wf.children(node_id):
-            parents = wf.nodes[child].parents
-            if all(self.nodes.get(p, NodeState()).finished_s is not None for p in parents):
-                out.append(child)
-        return out
+        nodes = self.nodes
+        return wf.ready_children(
+            node_id, lambda p: (st := nodes.get(p)) is not None and st.finished_s is not None
+        )
 
     @property
     def done(self) -> bool:
