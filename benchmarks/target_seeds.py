@@ -3,6 +3,7 @@ several trace seeds.
 
     python -m benchmarks.target_seeds                          # seeds 7-11, three apps
     python -m benchmarks.target_seeds --seeds 7,8 --apps debate
+    python -m benchmarks.target_seeds --param wasma.admission_bias=true --out DIR
 
 `make bench` measures each target on one trace an app (seed 7). The cells at and above
 least_loaded's knee sit where a workflow more or less meeting its deadline moves
@@ -39,6 +40,7 @@ from benchmarks.apps import app_specs, generate
 from benchmarks.bench import Runner, RunSpec, sweep_capacity
 from benchmarks.metrics import prefix_hit_ceiling
 from benchmarks.targets import SWEPT
+from deploy.cli import CLIError, check_params, parse_params
 from engines.sim.profile import load_profile
 from scheduler.trace import load_trace, write_trace
 
@@ -229,10 +231,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--address", default=None, help="Ray address to run the grid on")
     ap.add_argument("--report-only", action="store_true", help="summary and plot from DIR")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="a policy parameter for every run of that policy (repeatable)",
+    )
     args = ap.parse_args(argv)
     if args.report_only:
         return report(Path(args.out))
     seeds = _ints(args.seeds, "--seeds")
+    try:
+        params = parse_params(args.param)
+        check_params(SWEPT, params, load_profile(args.profile))
+    except CLIError as exc:
+        raise SystemExit(str(exc)) from None
+    if set(params) - set(SWEPT):
+        raise SystemExit(f"--param: no runs of {sorted(set(params) - set(SWEPT))} here")
     apps = [a.strip() for a in args.apps.split(",") if a.strip()]
     unknown = [a for a in apps if a not in app_specs()]
     if not apps or unknown:
@@ -265,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             [(p, pol) for p in paths.values() for pol in SWEPT],
             args.engines,
             profile.name,
-            {},
+            params,
             lambda _row: bar.update(1),
         )
         runs += [tag(r) for r in rows]
@@ -276,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 for pol in ("least_loaded", "wasma"):
                     specs[(Path(trace).name, knee * mult, pol)] = mult
         grid = [
-            RunSpec(str(out / name), pol, scale, args.engines, profile.name)
+            RunSpec(str(out / name), pol, scale, args.engines, profile.name, params.get(pol, {}))
             for name, scale, pol in specs
         ]
         bar.total = bar.n + len(grid)  # the sweeps are done: the rest is known exactly
@@ -291,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         (app, seed): {pol: caps[(paths[(app, seed)], pol)] for pol in SWEPT}
         for (app, seed) in paths
     }
-    write_report(out, runs, capacity, profile.name)
+    write_report(out, runs, capacity, profile.name, params)
     return 0
 
 
@@ -300,6 +316,7 @@ def write_report(
     runs: list[dict[str, Any]],
     capacity: dict[tuple[str, int], dict[str, float]],
     profile: str,
+    params: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """results.json, summary.md and seeds.png from the runs and the sweeps' capacities."""
     found = targets(runs, capacity)
@@ -309,6 +326,7 @@ def write_report(
         for app, seed in capacity
     }
     results = {
+        "params": params or {},
         "runs": runs,
         "capacity": {f"{app}-s{seed}.jsonl": c for (app, seed), c in sorted(capacity.items())},
         "prefix_hit_ceiling": {f"{app}-s{seed}.jsonl": v for (app, seed), v in ceilings.items()},
@@ -326,6 +344,9 @@ def write_report(
     (out / "results.json").write_text(json.dumps(results, indent=2))
     seeds = sorted({seed for _app, seed in capacity})
     md = summary_markdown(found, seeds) + "\n\n" + ceiling_markdown(runs, ceilings, seeds)
+    if params:
+        said = ", ".join(f"{p}.{k}={v}" for p, kv in sorted(params.items()) for k, v in kv.items())
+        md = f"Policy parameters: {said}\n\n{md}"
     (out / "summary.md").write_text(md + "\n")
     plot(found, out)
     print(md)
@@ -340,11 +361,12 @@ def report(out: Path) -> int:
         where = {r["trace"]: (r["app"], r["seed"]) for r in runs}
         capacity = {where[name]: c for name, c in data["capacity"].items()}
         profile = runs[0]["profile"]
+        params = data.get("params", {})
     except FileNotFoundError:
         raise SystemExit(f"--report-only: {path} does not exist") from None
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise SystemExit(f"--report-only: {path} is not target_seeds output ({e})") from None
-    write_report(out, runs, capacity, profile)
+    write_report(out, runs, capacity, profile, params)
     return 0
 
 

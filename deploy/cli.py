@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+def parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -187,7 +187,7 @@ def _parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], profile: Any) -> None:
+def check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], profile: Any) -> None:
     """Build each policy once with its parameters, so a bad one fails before any run."""
     from scheduler.registry import default_registry
 
@@ -253,11 +253,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         f"tokens exceed max_model_len {profile.max_model_len} of profile "
                         f"{profile.name!r}"
                     )
-    params = _parse_params(args.param)
+    params = parse_params(args.param)
     for pol in params:
         if pol not in args.policies:
             raise CLIError(f"--param for {pol!r}, which is not in --policies")
-    _check_params(args.policies, params, load_profile(args.profile))
+    check_params(args.policies, params, load_profile(args.profile))
     results = bench(
         [str(Path(t)) for t in args.trace],
         args.policies,

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Protocol
 
 from engines.sim.profile import Profile
 from scheduler.app_shapes import AppShapes
+from scheduler.estimate_bias import EstimateBias
 from scheduler.prefix_index import PrefixIndex
 from scheduler.state import ClusterState
 from scheduler.workflows import WorkflowRegistry
@@ -106,6 +107,9 @@ class PolicyContext:
     inflight: PrefixIndex = field(init=False)
     # Learned workflow shapes per app, for workflows that arrive without a DAG.
     shapes: AppShapes = field(default_factory=AppShapes)
+    # How much longer than the policy estimated requests have been taking (the router
+    # feeds it from placements and finishes).
+    estimates: EstimateBias = field(default_factory=EstimateBias)
 
     def __post_init__(self) -> None:
         self.inflight = PrefixIndex(self.state.engines, max_blocks=1_000_000)

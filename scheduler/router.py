@@ -38,6 +38,8 @@ class Router:
             if not force:
                 return placement
             placement = replace(placement, defer=False)
+        if placement.estimated_finish_s is not None:
+            self.ctx.estimates.placed(req.request_id, now, placement.estimated_finish_s - now)
         bs = self.ctx.block_size
         charge = Charge(
             blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),
@@ -88,6 +90,7 @@ class Router:
     def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
         """A request finished; returns the workflow's children that became ready."""
         self.ctx.state.on_finish(request_id)
+        self.ctx.estimates.finished(request_id, now)
         self._forget_inflight(request_id)
         self.retention.finished(request_id)
         return self.ctx.workflows.mark_finished(workflow_id, node_id, now)

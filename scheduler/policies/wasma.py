@@ -115,6 +115,13 @@ class Wasma(Policy):
         # it slows everyone admitted before it.
         "admission": True,
         "admission_margin": 1.0,
+        # Scale the predicted slowdown by how much longer than estimated recent requests
+        # took (`ctx.estimates`; only ever up). A load that is rising when a wave of
+        # workflows arrives makes each estimate short by the same factor, and without
+        # the correction admission lets the whole wave in to miss together. On: far
+        # more deadlines met in overload (make bench, 1.5-2x the least_loaded knee), but
+        # the workflows it holds back wait longer, so P95 there rises; off by default.
+        "admission_bias": False,
         # A request that can no longer make its deadline is held while its best engine's
         # predicted slowdown exceeds this factor, and completed when load allows.
         "hopeless_slowdown": 2.0,
@@ -223,6 +230,8 @@ class Wasma(Policy):
             return False
         alone = self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens)
         slowdown = est / alone if alone > 0 else 1.0
+        if p["admission_bias"]:
+            slowdown *= max(1.0, self.ctx.estimates.ratio)
         left = req.deadline_s - now
         if left < remaining:  # cannot make it even alone: hopeless
             return bool(p["hopeless"]) and slowdown > p["hopeless_slowdown"]

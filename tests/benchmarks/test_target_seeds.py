@@ -74,8 +74,15 @@ def test_a_baseline_that_met_no_deadline_makes_the_goodput_ratio_unbounded() -> 
 def test_main_writes_every_seed_and_target(tmp_path: Path) -> None:
     out = tmp_path / "seeds"
     argv = ["--out", str(out), "--seeds", "3,4", "--apps", "mapreduce"]
+    argv += ["--param", "wasma.admission_bias=true"]
     assert main([*argv, "--workflows", "4", "--engines", "2", "--workers", "1"]) == 0
     data = json.loads((out / "results.json").read_text())
+    # The parameter reached every wasma run, sweeps included, and no other policy's.
+    assert data["params"] == {"wasma": {"admission_bias": True}}
+    for r in data["runs"]:
+        assert r.get("params") == ({"admission_bias": True} if r["policy"] == "wasma" else None)
+    said = (out / "summary.md").read_text().splitlines()[0]
+    assert said == "Policy parameters: wasma.admission_bias=True"
     assert set(data["capacity"]) == {"mapreduce-s3.jsonl", "mapreduce-s4.jsonl"}
     cells = [r for r in data["runs"] if not r.get("sweep")]
     # least_loaded and wasma at 1x, 1.5x and 2x on each seed.
@@ -107,6 +114,9 @@ def test_main_writes_every_seed_and_target(tmp_path: Path) -> None:
         (["--apps", "chess"], "--apps: unknown"),
         (["--workflows", "0"], "must be positive"),
         (["--report-only"], "does not exist"),
+        (["--param", "wasma.nope=1"], "unknown parameter"),
+        (["--param", "round_robin.x=1"], "no runs of"),
+        (["--param", "wasma"], "expected POLICY.KEY=VALUE"),
     ],
 )
 def test_bad_flags_get_a_readable_error(tmp_path: Path, argv: list[str], message: str) -> None:
