@@ -17,6 +17,7 @@ import gc
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,22 +194,15 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
         "| attainment LL | attainment wasma |"
     )
     lines.append("|---|---|---|---|---|---|")
-    for app, path in traces.items():
-        name = Path(path).name
-        knee = cap[name]["least_loaded"]
-        for mult in MULTS:
-            row = {
-                r["policy"]: r
-                for r in runs
-                if r["trace"] == name and _plain(r) and abs(r["rate_scale"] - knee * mult) < 1e-9
-            }
-            ll, wa = row["least_loaded"], row["wasma"]
-            lines.append(
-                f"| {app} | {mult:g}x ({knee * mult:.3g}) "
-                f"| {wa['p95_workflow_s'] / ll['p95_workflow_s']:.2f} "
-                f"| {wa['goodput_wf_per_s'] / max(ll['goodput_wf_per_s'], 1e-9):.2f} "
-                f"| {ll['deadline_attainment']:.3f} | {wa['deadline_attainment']:.3f} |"
-            )
+    for app, mult, knee, at in _cells(runs, cap, traces):
+        row = {r["policy"]: r for r in at if _plain(r)}
+        ll, wa = row["least_loaded"], row["wasma"]
+        lines.append(
+            f"| {app} | {mult:g}x ({knee * mult:.3g}) "
+            f"| {wa['p95_workflow_s'] / ll['p95_workflow_s']:.2f} "
+            f"| {wa['goodput_wf_per_s'] / max(ll['goodput_wf_per_s'], 1e-9):.2f} "
+            f"| {ll['deadline_attainment']:.3f} | {wa['deadline_attainment']:.3f} |"
+        )
     lines += ["", "| app | " + " | ".join(SWEPT) + " | wasma / best KV-aware peer |"]
     lines.append("|---|" + "---|" * (len(SWEPT) + 1))
     for app, path in traces.items():
@@ -228,32 +222,14 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
         "| goodput wasma / least_loaded: DAG / requests only |",
         "|---|---|---|---|---|",
     ]
-    for app, path in traces.items():
-        name = Path(path).name
-        knee = cap[name]["least_loaded"]
-        for mult in MULTS:
-            at = [
-                r
-                for r in runs
-                if r["trace"] == name
-                and not r.get("sweep")
-                and not r.get("params")
-                and abs(r["rate_scale"] - knee * mult) < 1e-9
-            ]
-            ll = next(r for r in at if r["policy"] == "least_loaded")
-            dag = next(r for r in at if r["policy"] == "wasma" and r.get("dags", True))
-            blind = next(
-                (r for r in at if r["policy"] == "wasma" and not r.get("dags", True)), None
-            )
-            if blind is None:
-                continue  # results from before this table
-            p95, good = ll["p95_workflow_s"], max(ll["goodput_wf_per_s"], 1e-9)
-            lines.append(
-                f"| {app} | {mult:g}x | {dag['deadline_attainment']:.3f} / "
-                f"{blind['deadline_attainment']:.3f} | {dag['p95_workflow_s'] / p95:.2f} / "
-                f"{blind['p95_workflow_s'] / p95:.2f} | {dag['goodput_wf_per_s'] / good:.2f} / "
-                f"{blind['goodput_wf_per_s'] / good:.2f} |"
-            )
+    for app, mult, _knee, cell in _cells(runs, cap, traces):
+        at = [r for r in cell if not r.get("params")]
+        ll = next(r for r in at if r["policy"] == "least_loaded")
+        dag = next(r for r in at if r["policy"] == "wasma" and r.get("dags", True))
+        blind = next((r for r in at if r["policy"] == "wasma" and not r.get("dags", True)), None)
+        if blind is None:
+            continue  # results from before this table
+        lines.append(f"| {app} | {mult:g}x | {_beside(dag, blind, ll)}")
     lines += ["", "### Ablation (wasma at 1.5x the least_loaded knee; each mechanism off)", ""]
     lines.append("| app | variant | attainment | goodput wf/s | P95 workflow s | prefix hit |")
     lines.append("|---|---|---|---|---|---|")
@@ -296,6 +272,39 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cells(
+    runs: list[dict[str, Any]], cap: dict[str, dict[str, float]], traces: dict[str, str]
+) -> Iterator[tuple[str, float, float, list[dict[str, Any]]]]:
+    """(app, multiple of least_loaded's knee, the knee, the runs at that rate on the app's
+    trace that are no sweep step) for every app and multiple, in table order."""
+    for app, path in traces.items():
+        name = Path(path).name
+        knee = cap[name]["least_loaded"]
+        for mult in MULTS:
+            yield (
+                app,
+                mult,
+                knee,
+                [
+                    r
+                    for r in runs
+                    if r["trace"] == name
+                    and not r.get("sweep")
+                    and abs(r["rate_scale"] - knee * mult) < 1e-9
+                ],
+            )
+
+
+def _beside(a: dict[str, Any], b: dict[str, Any], ll: dict[str, Any]) -> str:
+    """Attainment, then P95 and goodput as ratios to least_loaded's, each `a / b`."""
+    p95, good = ll["p95_workflow_s"], max(ll["goodput_wf_per_s"], 1e-9)
+    return (
+        f"{a['deadline_attainment']:.3f} / {b['deadline_attainment']:.3f} "
+        f"| {a['p95_workflow_s'] / p95:.2f} / {b['p95_workflow_s'] / p95:.2f} "
+        f"| {a['goodput_wf_per_s'] / good:.2f} / {b['goodput_wf_per_s'] / good:.2f} |"
+    )
+
+
 def _options_markdown(
     runs: list[dict[str, Any]], cap: dict[str, dict[str, float]], traces: dict[str, str]
 ) -> list[str]:
@@ -308,33 +317,17 @@ def _options_markdown(
         "| P95 wasma / least_loaded: default / on | goodput wasma / least_loaded: default / on |",
         "|---|---|---|---|---|---|",
     ]
-    for app, path in traces.items():
-        name = Path(path).name
-        knee = cap[name]["least_loaded"]
-        for mult in MULTS:
-            at = [
-                r
-                for r in runs
-                if r["trace"] == name
-                and not r.get("sweep")
-                and r.get("dags", True)
-                and abs(r["rate_scale"] - knee * mult) < 1e-9
-            ]
-            ll = next((r for r in at if r["policy"] == "least_loaded"), None)
-            base = next((r for r in at if r["policy"] == "wasma" and not r.get("params")), None)
-            if ll is None or base is None:
-                continue
-            p95, good = ll["p95_workflow_s"], max(ll["goodput_wf_per_s"], 1e-9)
-            for option, on in OPTIONS.items():
-                r = next((r for r in at if r["policy"] == "wasma" and r.get("params") == on), None)
-                if r is None:
-                    continue  # results from before this option
-                lines.append(
-                    f"| {app} | {mult:g}x | {option} | {base['deadline_attainment']:.3f} / "
-                    f"{r['deadline_attainment']:.3f} | {base['p95_workflow_s'] / p95:.2f} / "
-                    f"{r['p95_workflow_s'] / p95:.2f} | {base['goodput_wf_per_s'] / good:.2f} / "
-                    f"{r['goodput_wf_per_s'] / good:.2f} |"
-                )
+    for app, mult, _knee, cell in _cells(runs, cap, traces):
+        at = [r for r in cell if r.get("dags", True)]
+        ll = next((r for r in at if r["policy"] == "least_loaded"), None)
+        base = next((r for r in at if r["policy"] == "wasma" and not r.get("params")), None)
+        if ll is None or base is None:
+            continue
+        for option, on in OPTIONS.items():
+            r = next((r for r in at if r["policy"] == "wasma" and r.get("params") == on), None)
+            if r is None:
+                continue  # results from before this option
+            lines.append(f"| {app} | {mult:g}x | {option} | {_beside(base, r, ll)}")
     return lines
 
 

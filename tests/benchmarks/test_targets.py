@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.targets import ABLATIONS, SWEPT, targets_markdown
+from benchmarks.targets import ABLATIONS, OPTIONS, SWEPT, targets_markdown
 
 
 def _row(policy: str, scale: float, attainment: float, **extra: Any) -> dict[str, Any]:
@@ -29,6 +29,7 @@ def test_target_cells_use_plain_runs_and_the_ablation_labels_each_variant() -> N
     runs.append(_row("wasma", knee * 1.5, 0.11, params=ABLATIONS["transfer"]))
     runs.append(_row("wasma", knee * 1.5, 0.22, dags=False))
     runs.append(_row("wasma", knee * 1.5, 0.33, sweep=True))
+    runs.append(_row("wasma", knee * 1.5, 0.44, params=OPTIONS["admission_bias"]))
     results = {
         "runs": runs,
         "capacity": {"mapreduce.jsonl": dict.fromkeys(SWEPT, knee)},
@@ -45,3 +46,7 @@ def test_target_cells_use_plain_runs_and_the_ablation_labels_each_variant() -> N
     # The DAG-less run has its own table, beside the run with the DAG at the same rate.
     assert "| mapreduce | 1.5x | 0.900 / 0.220 | 1.00 / 1.00 | 1.80 / 0.44 |" in md
     assert "| mapreduce | 2x | " not in md  # no DAG-less run there: no row
+    # An option's run sits beside the default in its own table, and in no other cell.
+    assert "| mapreduce | 1.5x | admission_bias | 0.900 / 0.440 | 1.00 / 1.00 | 1.80 / 0.88 |" in md
+    assert md.count("0.440") == 1
+    assert "| mapreduce | 1x | admission_bias" not in md
