@@ -273,7 +273,8 @@ def test_admission_bias_never_loosens_admission() -> None:
 @pytest.mark.parametrize("app", ["pipeline", "debate"])
 def test_admission_bias_keeps_more_workflows_on_time_under_overload(app: str) -> None:
     # The overload of test_admission_keeps_more_workflows_on_time_under_overload: a wave
-    # that each looked feasible when it arrived is partly held back instead of missing.
+    # of workflows that each looked feasible when they arrived is partly held back instead
+    # of missing together.
     wfs = generate(app, 60, 1.0, seed=5, profile=PROF)
     kw: dict[str, Any] = {"rate_scale": 3.0}
     on = SimReplay(wfs, "wasma", 2, PROF, params={"admission_bias": True}, **kw).run()
