@@ -94,13 +94,18 @@ class GenerateRequest:
     # which a failover keeps while the engine sees a new `request_id` ("" = request_id).
     retain_key: str = ""
 
+    @property
+    def retained_as(self) -> str:
+        """The key its retention goes by: `retain_key`, else the request's own id."""
+        return self.retain_key or self.request_id
+
     def retention_args(self) -> dict[str, object]:
         """The request's retention tags as wasma's retaining vLLM scheduler reads them
         (`SamplingParams.extra_args`; `vllm_xargs` over HTTP)."""
         args: dict[str, object] = {}
         if self.retain_s > 0:
             args[RETAIN_ARG] = self.retain_s
-            args[RETAIN_KEY_ARG] = self.retain_key or self.request_id
+            args[RETAIN_KEY_ARG] = self.retained_as
             if self.retain_use_s is not None:
                 args[RETAIN_USE_ARG] = self.retain_use_s
         if self.release:

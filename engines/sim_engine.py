@@ -224,7 +224,7 @@ class SimEngine(EngineClient):
             request.request_id, hashes, len(prompt), request.max_tokens, request.priority
         )
         self.core.add_request(req, self._now())  # raises ValueError past max_model_len
-        retain_key = request.retain_key or request.request_id
+        retain_key = request.retained_as
         pending = _Pending(req, output, retain_s=request.retain_s, retain_key=retain_key)
         self._pending[request.request_id] = pending
         if self.core.busy:

@@ -74,9 +74,7 @@ class RetentionTracker:
         if retain:
             readers = len(workflow.context_readers(node_id))
             if readers:
-                self._kept[(workflow_id, node_id)] = _Kept(request_id, engine, readers)
-                while len(self._kept) > self.MAX_TRACKED:
-                    self._kept.popitem(last=False)
+                self._keep((workflow_id, node_id), _Kept(request_id, engine, readers))
 
     def _placed_without_dag(
         self,
@@ -100,9 +98,12 @@ class RetentionTracker:
             while len(self._reading) > self.MAX_TRACKED:
                 self._reading.popitem(last=False)
         if retain:
-            self._kept[(workflow_id, node_id)] = _Kept(request_id, engine, 0, learned=True)
-            while len(self._kept) > self.MAX_TRACKED:
-                self._kept.popitem(last=False)
+            self._keep((workflow_id, node_id), _Kept(request_id, engine, 0, learned=True))
+
+    def _keep(self, ref: tuple[str, str], entry: _Kept) -> None:
+        self._kept[ref] = entry
+        while len(self._kept) > self.MAX_TRACKED:
+            self._kept.popitem(last=False)
 
     def started(self, request_id: str) -> None:
         """A request's prefill is done: it holds the KV it read, so the retentions it
