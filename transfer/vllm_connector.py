@@ -5,6 +5,8 @@ Load it with
                         "kv_connector_module_path": "transfer.vllm_connector",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"wasma_listen": "127.0.0.1:7001"}}
+("127.0.0.1:0" binds a free port; with "wasma_address_file": PATH the worker writes the
+address it bound to PATH),
 and name the peer per request in `kv_transfer_params` (vLLM reads them from
 `SamplingParams.extra_args["kv_transfer_params"]`): {"wasma_peer": "host:port"}, with
 optionally "wasma_mode": "prefetch" (load while the request waits, vLLM's asynchronous
@@ -24,6 +26,7 @@ whole prefill is scheduled in one step (no chunked prefill of the producer's pro
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -130,6 +133,14 @@ class _Load:
             return self.layers.get(name)
 
 
+def _write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` so a reader sees either nothing or all of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class WasmaPeerConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -169,6 +180,12 @@ class WasmaPeerConnector(KVConnectorBase_V1):
                 allow_fault_injection=bool(extra.get("wasma_allow_fault_injection", False)),
             )
             logger.info("wasma KV peer server on %s", self._server.address)
+            address_file = extra.get("wasma_address_file")
+            if address_file:
+                # The engine that started this worker learns the port bound here (port 0
+                # in wasma_listen) from this file: picking a free port beforehand and
+                # binding it later races every other process binding ports meanwhile.
+                _write_atomically(str(address_file), self._server.address)
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(

@@ -46,7 +46,6 @@ class SteeredByNodeId(Policy):
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
-    from deploy.build import free_ports
     from deploy.gateway import GatewayConfig, create_app
     from deploy.router_client import LocalRouterClient, RouterClient
     from deploy.router_service import RouterService
@@ -61,11 +60,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     async def factory() -> RouterClient:
         import asyncio
 
-        ports = free_ports(2)
         engines = await asyncio.gather(
             *(
-                VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=p))
-                for i, p in enumerate(ports)
+                VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=0))
+                for i in range(2)
             )
         )
         registry = default_registry()

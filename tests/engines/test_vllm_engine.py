@@ -169,3 +169,15 @@ async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLM
         chunks = await _collect(vllm_engine, req)
         hits[name] = chunks[0].num_cached_tokens
     assert hits == {"K": 6 * bs, "L": 0, "P": 0, "R": 0}
+
+
+async def test_a_failed_start_closes_its_kv_event_socket(tmp_path: object) -> None:
+    from engines.vllm_engine import VLLMEngineConfig
+
+    engine = VLLMEngine("broken", VLLMEngineConfig(model=f"{tmp_path}/no-such-model"))
+    with pytest.raises(OSError):  # vLLM finds no such model (nor a hub repo of that name)
+        await engine.start()
+    # The subscriber bound before vLLM failed is gone: nothing is left for garbage
+    # collection to block on (an open socket makes a zmq context's term() wait forever).
+    assert engine._zmq is None and engine._sub is None and engine._events_task is None
+    assert not await engine.healthy()

@@ -9,7 +9,6 @@ that recomputed the prefix. A corrupt, cut-off or dead peer makes B recompute in
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,11 @@ def _opted_in(config: pytest.Config) -> bool:
     return ("vllm" in expr and "not vllm" not in expr) or os.environ.get("WASMA_VLLM_TESTS") == "1"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _engine(model: Path, port: int) -> Any:
+def _engine(model: Path, address_file: Path) -> tuple[Any, str]:
+    """A vLLM engine running the connector, and the peer address its worker bound."""
     from vllm import LLM
 
-    return LLM(
+    llm = LLM(
         model=str(model),
         block_size=BLOCK,
         enforce_eager=True,
@@ -52,11 +46,13 @@ def _engine(model: Path, port: int) -> Any:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "wasma_listen": f"127.0.0.1:{port}",
+                "wasma_listen": "127.0.0.1:0",
+                "wasma_address_file": str(address_file),
                 "wasma_allow_fault_injection": True,
             },
         },
     )
+    return llm, address_file.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +66,13 @@ def engines(
     from engines.tiny_model import write_tiny_model
 
     model = write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    port_a, port_b = _free_port(), _free_port()
-    a = _engine(model, port_a)
-    b = _engine(model, port_b)
-    yield {"a": a, "b": b, "peer_a": f"127.0.0.1:{port_a}"}
+    addresses = tmp_path_factory.mktemp("peers")
+    a, peer_a = _engine(model, addresses / "a")
+    b, peer_b = _engine(model, addresses / "b")
+    # Each worker bound a port of its own and said which.
+    assert peer_a.startswith("127.0.0.1:") and peer_b.startswith("127.0.0.1:")
+    assert peer_a != peer_b
+    yield {"a": a, "b": b, "peer_a": peer_a}
     for llm in (b, a):
         llm.llm_engine.engine_core.shutdown()
 
