@@ -138,6 +138,10 @@ class WasmaMetrics:
         MetricSpec("wasma_router_queue_depth", "gauge",
                    "Requests waiting in the router for a placement or a parent.",
                    gauge_mode="livesum"),
+        MetricSpec("wasma_estimate_slowdown_ratio", "gauge",
+                   "Recent requests' time taken over the time their placement estimated "
+                   "(moving mean; above 1 the load rises faster than placements priced; "
+                   "admission_bias scales deadline admission by it)."),
         MetricSpec("wasma_admission_rejected_total", "counter",
                    "Requests rejected by admission control (overload, deadline unreachable)."),
         MetricSpec("wasma_retention_leases_total", "counter",
@@ -334,6 +338,10 @@ class WasmaMetrics:
     def set_queue_depth(self, depth: int) -> None:
         """Requests waiting in the router (for a parent to finish or for a placement)."""
         self._gauges["wasma_router_queue_depth"].set(depth)
+
+    def set_estimate_ratio(self, ratio: float) -> None:
+        """The policy's running ratio of actual to estimated request time."""
+        self._gauges["wasma_estimate_slowdown_ratio"].set(self._non_negative(ratio, "ratio"))
 
     def observe_retention(self, engine: str, leases: int, released: int) -> None:
         """A request sent to `engine` asked for `leases` retention leases (0 or 1) and

@@ -856,6 +856,7 @@ class RouterService:
         before = self.ctx.workflows.active.get(live.wkey)
         registered = before is not None and before.workflow is not None
         self.router.on_finish(rid, live.wkey, live.node_id, now)
+        self.metrics.set_estimate_ratio(self.ctx.estimates.ratio)
         if registered and self.journal is not None:
             if not (live.failed or live.cancelled):
                 self.journal.finish(live.wkey, live.node_id, live.slot)

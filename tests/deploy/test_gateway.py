@@ -137,6 +137,14 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI) 
         'wasma_http_requests_total{code="200"}',
     ):
         assert name in text
+    # The router publishes how its estimates compare with what requests took (0 would
+    # mean never set: the ratio starts at 1 and stays positive).
+    (ratio,) = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("wasma_estimate_slowdown_ratio ")
+    ]
+    assert ratio > 0
 
 
 def test_child_extending_parent_context_reuses_parents_engine(client: openai.OpenAI) -> None:

@@ -294,6 +294,11 @@ def test_transfers_engines_http_queue_admission() -> None:
     assert value(m, "wasma_router_queue_depth") == 7.0
     assert value(m, "wasma_admission_rejected_total") == 3.0
 
+    m.set_estimate_ratio(1.25)
+    assert value(m, "wasma_estimate_slowdown_ratio") == 1.25
+    with pytest.raises(ValueError, match="ratio"):
+        m.set_estimate_ratio(-1.0)
+
 
 MULTIPROC_CHILD = """
 import importlib.util, sys
