@@ -26,6 +26,7 @@ class NodeState:
     # latency on an idle engine (the unit of a registered DAG's critical path).
     parents: tuple[str, ...] = ()
     alone_s: float = 0.0
+    seq: int = 0  # order of first mention in its workflow
 
 
 @dataclass
@@ -37,11 +38,14 @@ class WorkflowState:
     deadline_s: float  # absolute
     nodes: dict[str, NodeState] = field(default_factory=dict)
     finished_s: float | None = None
+    # Submitted nodes by the chain hash their prompt ends with: which earlier contexts a
+    # new prompt extends, in O(its blocks) for a workflow with more nodes than that.
+    ends: dict[int, list[str]] = field(default_factory=dict, repr=False)
 
     def node(self, node_id: str) -> NodeState:
         st = self.nodes.get(node_id)
         if st is None:
-            st = self.nodes[node_id] = NodeState()
+            st = self.nodes[node_id] = NodeState(seq=len(self.nodes))
         return st
 
     def ready_children(self, node_id: str) -> list[str]:
@@ -117,24 +121,39 @@ class WorkflowRegistry:
         ns.submitted_s = now
         ns.parents = tuple(parents)
         ns.alone_s = alone_s
+        if ns.last_prompt_hash is not None:  # submitted again (a failover)
+            st.ends[ns.last_prompt_hash].remove(node_id)
         ns.prompt_blocks = len(block_hashes)
         ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
         # Whose context does this prompt extend? Any earlier node of the workflow, not
         # only a named parent: a loop's next round continues a conversation it does not
         # name (an engineer's second round names the review). Chain hashes make each a
-        # single compare.
-        extended: list[str] = []
+        # single compare: node by node, or block by block through `ends` when the
+        # workflow has more nodes than the prompt has blocks.
         n = len(block_hashes)
-        for other, ps in st.nodes.items():
-            k = ps.prompt_blocks
-            if (
-                other != node_id
-                and ps.last_prompt_hash is not None
-                and n > k
-                and block_hashes[k - 1] == ps.last_prompt_hash
-            ):
-                ps.context_reused = True
-                extended.append(other)
+        nodes = st.nodes
+        extended: list[str] = []
+        if len(nodes) <= n:
+            for other, ps in nodes.items():
+                k = ps.prompt_blocks
+                if (
+                    other != node_id
+                    and ps.last_prompt_hash is not None
+                    and n > k
+                    and block_hashes[k - 1] == ps.last_prompt_hash
+                ):
+                    extended.append(other)
+        else:
+            ends = st.ends
+            for i in range(n - 1):
+                for other in ends.get(block_hashes[i], ()):
+                    if nodes[other].prompt_blocks == i + 1:
+                        extended.append(other)
+            extended.sort(key=lambda other: nodes[other].seq)
+        for other in extended:
+            nodes[other].context_reused = True
+        if ns.last_prompt_hash is not None:
+            st.ends.setdefault(ns.last_prompt_hash, []).append(node_id)
         return extended
 
     def mark_finished(self, workflow_id: str, node_id: str, now: float) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from engines.base import EngineStats
 from scheduler.state import Charge, ClusterState
 from scheduler.workflow import Node, OutputOf, Unique, Workflow
@@ -85,6 +88,41 @@ def test_registry_finds_whose_context_a_prompt_extends_named_or_not() -> None:
     # A later round extends every round before it.
     assert reg.mark_submitted("w", "eng0.r2", 0, 3.0, [*again, 8]) == ["eng0", "eng0.r1"]
     assert reg.mark_submitted("x", "n", 0, 0.0, eng) == []  # no such workflow
+
+
+# Prompts as chain-hash lists over a tiny alphabet, so prompts often extend each other;
+# short prompts and many nodes drive the registry onto its by-hash path, long ones and few
+# nodes onto its node-by-node one.
+_SUBMISSIONS = st.lists(
+    st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=6)), max_size=60
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_SUBMISSIONS)
+def test_registry_finds_extended_contexts_as_a_scan_of_every_node_would(
+    submissions: list[tuple[int, list[int]]],
+) -> None:
+    reg = WorkflowRegistry()
+    reg.ensure("w", "app", 0.0)
+    prompts: dict[str, list[int]] = {}  # the last prompt each node was submitted with
+    reused: set[str] = set()
+    for t, (node, prompt) in enumerate(submissions):
+        nid = f"n{node}"
+        # Raw values, not chain hashes: the same value at several positions makes a
+        # match depend on the position too, which chain hashes would hide.
+        hashes = prompt
+        want = [
+            other
+            for other, p in prompts.items()
+            if other != nid and p and len(hashes) > len(p) and hashes[len(p) - 1] == p[-1]
+        ]
+        got = reg.mark_submitted("w", nid, 0, float(t), hashes)
+        assert got == want
+        reused.update(want)
+        prompts[nid] = hashes  # submitted again: its new prompt, its first place in order
+    nodes = reg.active["w"].nodes
+    assert {n for n, ns in nodes.items() if ns.context_reused} == reused
 
 
 def test_registry_keeps_a_bounded_number_of_finished() -> None:
