@@ -80,16 +80,26 @@ class KVEventRelay:
 
         self._ctx = zmq.Context()
         self._threads: list[threading.Thread] = []
-        for ep in endpoints:
-            front = self._ctx.socket(zmq.XSUB)
-            front.connect(ep.publish_endpoint)
-            back = self._ctx.socket(zmq.XPUB)
-            back.bind(ep.kv_endpoint)
-            t = threading.Thread(
-                target=self._run, args=(front, back), name=f"kv-relay-{ep.port}", daemon=True
-            )
-            t.start()
-            self._threads.append(t)
+        try:
+            for ep in endpoints:
+                pair = [self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)]
+                try:
+                    pair[0].connect(ep.publish_endpoint)
+                    pair[1].bind(ep.kv_endpoint)
+                except BaseException:
+                    for sock in pair:
+                        sock.close(linger=0)
+                    raise
+                t = threading.Thread(
+                    target=self._run, args=pair, name=f"kv-relay-{ep.port}", daemon=True
+                )
+                t.start()
+                self._threads.append(t)
+        except BaseException:
+            # A port taken meanwhile: stop the proxies already running, or the context
+            # (and whoever garbage-collects it) would wait for them forever.
+            self.close()
+            raise
 
     @staticmethod
     def _run(front: Any, back: Any) -> None:

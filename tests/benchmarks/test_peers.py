@@ -458,6 +458,26 @@ def test_kv_event_relay_forwards_ipc_to_loopback_tcp(tmp_path: Path) -> None:
         ctx.term()
 
 
+def test_kv_event_relay_that_cannot_bind_stops_the_proxies_it_started(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    import zmq
+
+    from benchmarks.peers_procs import KVEventRelay, free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ok = EngineEndpoint(0, str(tmp_path / "kv0.sock"), free_port())
+        clash = EngineEndpoint(1, str(tmp_path / "kv1.sock"), taken.getsockname()[1])
+        with pytest.raises(zmq.ZMQError):
+            KVEventRelay([ok, clash])
+    # The first engine's proxy was running; it is stopped, not left to block the
+    # context's teardown (and the process) forever.
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-relay-")]
+
+
 def test_wasma_ablations_pass_params_in_a_config_file() -> None:
     from benchmarks.peers_procs import diagnostic_routers, wasma_config_text
 
