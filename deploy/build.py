@@ -18,7 +18,7 @@ from deploy.journal import WorkflowJournal
 from deploy.metrics import WasmaMetrics
 from deploy.ray_channel import ChannelServer
 from deploy.router_service import RouterService, ServiceRequest
-from engines.base import DEFAULT_RETAIN_S, EngineClient
+from engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
 from engines.sim.profile import Profile, load_profile
 from scheduler.policy import TransferPricer
 from scheduler.pricing import LinkBandwidthPricer
@@ -113,13 +113,17 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
     if spec.kind == "openai":
         from engines.openai_engine import OpenAIEngine
 
-        engines: list[EngineClient] = []
-        for i, url in enumerate(spec.urls):
+        async def connect(i: int, url: str) -> EngineClient:
             kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
             eng = OpenAIEngine(f"vllm{i}", url, kv_events_endpoint=kv, **dict(cfg.engine_options))
-            await eng.start()
-            engines.append(eng)
-        return engines
+            try:
+                await eng.start()
+            except BaseException:
+                await eng.close()
+                raise
+            return eng
+
+        return await launch_all(connect(i, url) for i, url in enumerate(spec.urls))
     if cfg.model is None:
         raise EngineSpecError("--engines vllm:N needs --model DIR")
     return await _build_vllm(cfg)
@@ -143,12 +147,12 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
         from engines.vllm_engine import VLLMEngine
 
         return list(
-            await asyncio.gather(*(VLLMEngine.launch(f"vllm{i}", c) for i, c in enumerate(configs)))
+            await launch_all(VLLMEngine.launch(f"vllm{i}", c) for i, c in enumerate(configs))
         )
     launch = vllm_actor.RayVLLMEngine.launch
     return list(
-        await asyncio.gather(
-            *(launch(f"vllm{i}", c, actor_options=_cpu_binding(i)) for i, c in enumerate(configs))
+        await launch_all(
+            launch(f"vllm{i}", c, actor_options=_cpu_binding(i)) for i, c in enumerate(configs)
         )
     )
 

@@ -6,9 +6,12 @@ engine and a vLLM engine are indistinguishable to them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +156,21 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+E = TypeVar("E", bound=EngineClient)
+
+
+async def launch_all(launches: Iterable[Awaitable[E]]) -> list[E]:
+    """Await engine launches together. If any fails, the ones that started are closed
+    before the first failure is raised: a setup that fails halfway leaves no engine
+    process (and its KV pool) running behind it."""
+    results = await asyncio.gather(*launches, return_exceptions=True)
+    started = [r for r in results if not isinstance(r, BaseException)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if not failed:
+        return started
+    for engine in started:
+        with contextlib.suppress(Exception):
+            await engine.close()
+    raise failed[0]

@@ -28,7 +28,14 @@ from deploy.router_service import (
 )
 from deploy.serve import ServerThread
 from deploy.tokenizer import ByteTokenizer
-from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
+from engines.base import (
+    EngineClient,
+    EngineStats,
+    GenerateRequest,
+    KVEventSink,
+    TokenChunk,
+    launch_all,
+)
 from engines.sim.profile import load_profile
 from engines.sim_engine import SimEngine
 from scheduler.tokens import hash_token_blocks
@@ -347,9 +354,7 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
 
     async def factory() -> RouterClient:
         cfg = VLLMEngineConfig(model=model)
-        engines = await asyncio.gather(
-            VLLMEngine.launch("vllm0", cfg), VLLMEngine.launch("vllm1", cfg)
-        )
+        engines = await launch_all(VLLMEngine.launch(f"vllm{i}", cfg) for i in range(2))
         # Real engines on a loaded 2-core machine answer slowly: generous timeouts, so
         # only the engine that is shut down leaves rotation.
         svc = RouterService(

@@ -36,12 +36,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
 
     async def factory() -> RouterClient:
-        import asyncio
+        from engines.base import launch_all
 
         cfg = VLLMEngineConfig(model=model)
-        engines = await asyncio.gather(
-            VLLMEngine.launch("vllm0", cfg), VLLMEngine.launch("vllm1", cfg)
-        )
+        engines = await launch_all(VLLMEngine.launch(f"vllm{i}", cfg) for i in range(2))
         service = RouterService(list(engines), load_profile("tiny-cpu"), policy="wasma")
         await service.start()
         return LocalRouterClient(service)

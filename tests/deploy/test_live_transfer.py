@@ -58,13 +58,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
 
     async def factory() -> RouterClient:
-        import asyncio
+        from engines.base import launch_all
 
-        engines = await asyncio.gather(
-            *(
-                VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=0))
-                for i in range(2)
-            )
+        engines = await launch_all(
+            VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=0))
+            for i in range(2)
         )
         registry = default_registry()
         registry.register(SteeredByNodeId.name, SteeredByNodeId)

@@ -166,3 +166,23 @@ async def test_a_retention_lease_keeps_kv_through_churn_until_it_lapses() -> Non
         assert hits == {"K": 6 * BS, "L": 0, "P": 0, "R": 0}
     finally:
         await engine.close()
+
+
+async def test_launch_all_closes_the_engines_that_started_when_one_fails() -> None:
+    from engines.base import launch_all
+
+    profile = load_profile("tiny-cpu")
+    started = [SimEngine(f"s{i}", profile) for i in range(2)]
+
+    async def up(engine: SimEngine) -> SimEngine:
+        return engine
+
+    async def broken() -> SimEngine:
+        raise RuntimeError("engine 2 failed to start")
+
+    assert await launch_all(up(e) for e in started) == started
+    assert all([await e.healthy() for e in started])
+    with pytest.raises(RuntimeError, match="engine 2 failed"):
+        await launch_all([up(started[0]), up(started[1]), broken()])
+    # No engine is left running behind the failed setup.
+    assert not any([await e.healthy() for e in started])
