@@ -35,12 +35,12 @@ class AppSpec:
     slack: float
 
 
-def _n(rng: np.random.Generator, mean: int, spread: float = 0.5) -> int:
+def sized(rng: np.random.Generator, mean: int, spread: float = 0.5) -> int:
     """A size around `mean` (uniform within +-spread), at least 1."""
     return max(1, int(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
 
 
-def _node(nid: str, parents: list[str], out: int, prompt: Sequence[Segment]) -> Node:
+def node(nid: str, parents: list[str], out: int, prompt: Sequence[Segment]) -> Node:
     return Node(nid, tuple(parents), out, tuple(prompt))
 
 
@@ -48,12 +48,12 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
     engineers = int(rng.integers(2, 4))
     rounds = int(rng.integers(1, 3))
     nodes = [
-        _node("pm", [], _n(rng, 300), [Shared("sys:pm", 1500), Unique(_n(rng, 600))]),
-        _node(
+        node("pm", [], sized(rng, 300), [Shared("sys:pm", 1500), Unique(sized(rng, 600))]),
+        node(
             "architect",
             ["pm"],
-            _n(rng, 400),
-            [Shared("sys:architect", 1500), ContextOf("pm"), Unique(_n(rng, 40))],
+            sized(rng, 400),
+            [Shared("sys:architect", 1500), ContextOf("pm"), Unique(sized(rng, 40))],
         ),
     ]
     engs = []
@@ -62,24 +62,24 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
         engs.append(nid)
         # Engineers continue the architect's conversation with their own assignment.
         nodes.append(
-            _node(
+            node(
                 nid,
                 ["architect"],
-                _n(rng, 350),
-                [ContextOf("architect"), Shared("sys:engineer", 800), Unique(_n(rng, 40))],
+                sized(rng, 350),
+                [ContextOf("architect"), Shared("sys:engineer", 800), Unique(sized(rng, 40))],
             )
         )
     review = "review0"
     nodes.append(
-        _node(
+        node(
             review,
             engs,
-            _n(rng, 200),
+            sized(rng, 200),
             [
                 Shared("sys:reviewer", 1500),
                 OutputOf("architect"),
                 *(OutputOf(e) for e in engs),
-                Unique(_n(rng, 30)),
+                Unique(sized(rng, 30)),
             ],
         )
     )
@@ -89,22 +89,22 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
         for e in engs:
             nid = f"{e}.r{r}"
             nodes.append(
-                _node(
+                node(
                     nid,
                     [review],
-                    _n(rng, 250),
-                    [ContextOf(last[e]), OutputOf(review), Unique(_n(rng, 20))],
+                    sized(rng, 250),
+                    [ContextOf(last[e]), OutputOf(review), Unique(sized(rng, 20))],
                 )
             )
             last[e] = nid
             revs.append(nid)
         nxt = f"review{r}"
         nodes.append(
-            _node(
+            node(
                 nxt,
                 revs,
-                _n(rng, 150),
-                [ContextOf(review), *(OutputOf(v) for v in revs), Unique(_n(rng, 20))],
+                sized(rng, 150),
+                [ContextOf(review), *(OutputOf(v) for v in revs), Unique(sized(rng, 20))],
             )
         )
         review = nxt
@@ -114,12 +114,12 @@ def build_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
 def build_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
     k = int(rng.integers(4, 9))
     nodes = [
-        _node(
+        node(
             "plan",
             [],
-            _n(rng, 120),
+            sized(rng, 120),
             # The user's document is the workflow's own: shared by its nodes only.
-            [Shared("sys:planner", 800), Unique(_n(rng, 6000, 0.4)), Unique(_n(rng, 100))],
+            [Shared("sys:planner", 800), Unique(sized(rng, 6000, 0.4)), Unique(sized(rng, 100))],
         )
     ]
     maps = []
@@ -127,13 +127,15 @@ def build_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
         nid = f"map{i}"
         maps.append(nid)
         # Workers fork the planner's conversation (document + plan) with their part.
-        nodes.append(_node(nid, ["plan"], _n(rng, 150), [ContextOf("plan"), Unique(_n(rng, 40))]))
+        nodes.append(
+            node(nid, ["plan"], sized(rng, 150), [ContextOf("plan"), Unique(sized(rng, 40))])
+        )
     nodes.append(
-        _node(
+        node(
             "reduce",
             maps,
-            _n(rng, 250),
-            [Shared("sys:reducer", 500), *(OutputOf(m) for m in maps), Unique(_n(rng, 40))],
+            sized(rng, 250),
+            [Shared("sys:reducer", 500), *(OutputOf(m) for m in maps), Unique(sized(rng, 40))],
         )
     )
     return nodes
@@ -143,7 +145,7 @@ def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
     agents = int(rng.integers(3, 5))
     rounds = int(rng.integers(2, 4))
     topic = f"topic:{wid}"
-    topic_len = _n(rng, 3000, 0.4)
+    topic_len = sized(rng, 3000, 0.4)
     nodes: list[Node] = []
     prev: list[str] = []
     for r in range(rounds):
@@ -154,27 +156,27 @@ def build_debate(rng: np.random.Generator, wid: str) -> list[Node]:
                 prompt: list[Segment] = [
                     Shared("sys:debater", 800),
                     Shared(topic, topic_len),
-                    Unique(_n(rng, 60)),
+                    Unique(sized(rng, 60)),
                 ]
             else:
                 own = f"a{a}.r{r - 1}"
                 prompt = [ContextOf(own)]
                 prompt += [OutputOf(p) for p in prev if p != own]
-                prompt.append(Unique(_n(rng, 20)))
-            nodes.append(_node(nid, list(prev), _n(rng, 150), prompt))
+                prompt.append(Unique(sized(rng, 20)))
+            nodes.append(node(nid, list(prev), sized(rng, 150), prompt))
             cur.append(nid)
         prev = cur
     everyone = [n.id for n in nodes]
     nodes.append(
-        _node(
+        node(
             "judge",
             prev,
-            _n(rng, 200),
+            sized(rng, 200),
             [
                 Shared("sys:judge", 600),
                 Shared(topic, topic_len),
                 *(OutputOf(n) for n in everyone),
-                Unique(_n(rng, 30)),
+                Unique(sized(rng, 30)),
             ],
         )
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.apps import critical_path_alone_s
+from benchmarks.apps import critical_path_alone_s, node, sized
 from benchmarks.replay import Replayer
 from engines.sim.profile import Profile
 from scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
@@ -24,19 +24,15 @@ AppBuilder = Callable[[np.random.Generator, str], list[Node]]
 
 
 def _n(rng: np.random.Generator, mean: int, spread: float = 0.4) -> int:
-    return max(1, int(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
-
-
-def _node(nid: str, parents: list[str], out: int, prompt: list[Segment]) -> Node:
-    return Node(nid, tuple(parents), out, tuple(prompt))
+    return sized(rng, mean, spread)  # narrower than the full-size apps by default
 
 
 def small_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
     """pm -> architect -> 2-3 engineers (continuing the architect) -> reviewer."""
     engineers = int(rng.integers(2, 4))
     nodes = [
-        _node("pm", [], _n(rng, 40), [Shared("sys:pm", 384), Unique(_n(rng, 96))]),
-        _node(
+        node("pm", [], _n(rng, 40), [Shared("sys:pm", 384), Unique(_n(rng, 96))]),
+        node(
             "architect",
             ["pm"],
             _n(rng, 48),
@@ -47,7 +43,7 @@ def small_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
     for i in range(engineers):
         engs.append(f"eng{i}")
         nodes.append(
-            _node(
+            node(
                 f"eng{i}",
                 ["architect"],
                 _n(rng, 48),
@@ -55,7 +51,7 @@ def small_pipeline(rng: np.random.Generator, wid: str) -> list[Node]:
             )
         )
     nodes.append(
-        _node(
+        node(
             "review",
             engs,
             _n(rng, 32),
@@ -75,7 +71,7 @@ def small_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
     a reducer joins their outputs."""
     k = int(rng.integers(3, 5))
     nodes = [
-        _node(
+        node(
             "plan",
             [],
             _n(rng, 32),
@@ -86,10 +82,10 @@ def small_mapreduce(rng: np.random.Generator, wid: str) -> list[Node]:
     for i in range(k):
         maps.append(f"map{i}")
         nodes.append(
-            _node(f"map{i}", ["plan"], _n(rng, 48), [ContextOf("plan"), Unique(_n(rng, 16))])
+            node(f"map{i}", ["plan"], _n(rng, 48), [ContextOf("plan"), Unique(_n(rng, 16))])
         )
     nodes.append(
-        _node(
+        node(
             "reduce",
             maps,
             _n(rng, 48),
@@ -121,12 +117,12 @@ def small_debate(rng: np.random.Generator, wid: str) -> list[Node]:
                 own = f"a{a}.r{r - 1}"
                 prompt = [ContextOf(own), *(OutputOf(p) for p in prev if p != own)]
                 prompt.append(Unique(_n(rng, 16)))
-            nodes.append(_node(nid, list(prev), _n(rng, 40), prompt))
+            nodes.append(node(nid, list(prev), _n(rng, 40), prompt))
             cur.append(nid)
         prev = cur
     everyone = [n.id for n in nodes]
     nodes.append(
-        _node(
+        node(
             "judge",
             prev,
             _n(rng, 48),
