@@ -52,6 +52,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "load_aware": {"load_aware": False},
     "kv_admission": {"kv_admission": False},
 }
+_NO_DAG = "no registered DAG (learned shapes)"
 # Each variant turns on one option that is off by default (a trade the reader may want).
 OPTIONS: dict[str, dict[str, Any]] = {
     "admission_bias": {"admission_bias": True},
@@ -236,6 +237,9 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
     for app, path in traces.items():
         name = Path(path).name
         knee = cap[name]["least_loaded"]
+        # In the variants' own order, not the order the parallel runs finished in.
+        order = ["all on", _NO_DAG, *(f"no {m}" for m in ABLATIONS)]
+        rows: dict[str, str] = {}
         for r in runs:
             if (
                 r["trace"] == name
@@ -246,15 +250,16 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
                 params = r.get("params")
                 if params and params not in ABLATIONS.values():
                     continue  # an option's run: its own table
-                label = "all on" if r.get("dags", True) else "no registered DAG (learned shapes)"
+                label = "all on" if r.get("dags", True) else _NO_DAG
                 for mechanism, off in ABLATIONS.items():
                     if params == off:
                         label = f"no {mechanism}"
-                lines.append(
+                rows[label] = (
                     f"| {app} | {label} | {r['deadline_attainment']:.3f} "
                     f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "
                     f"| {r['prefix_hit_ratio']:.3f} |"
                 )
+        lines += [rows[label] for label in order if label in rows]
     lines += _options_markdown(runs, cap, traces)
     d = results["decision_latency"]
     lines += [

@@ -50,3 +50,23 @@ def test_target_cells_use_plain_runs_and_the_ablation_labels_each_variant() -> N
     assert "| mapreduce | 1.5x | admission_bias | 0.900 / 0.440 | 1.00 / 1.00 | 1.80 / 0.88 |" in md
     assert md.count("0.440") == 1
     assert "| mapreduce | 1x | admission_bias" not in md
+
+
+def test_ablation_rows_follow_the_variants_not_the_order_runs_finished_in() -> None:
+    knee = 2.0
+    runs = [_row(p, knee * m, 0.5) for p in ("least_loaded", "wasma") for m in (1.0, 2.0)]
+    runs.append(_row("least_loaded", knee * 1.5, 0.5))
+    # Parallel runs finish in any order: here the last variant first.
+    for mechanism in reversed(list(ABLATIONS)):
+        runs.append(_row("wasma", knee * 1.5, 0.7, params=ABLATIONS[mechanism]))
+    runs += [_row("wasma", knee * 1.5, 0.8, dags=False), _row("wasma", knee * 1.5, 0.9)]
+    results = {
+        "runs": runs,
+        "capacity": {"mapreduce.jsonl": dict.fromkeys(SWEPT, knee)},
+        "decision_latency": {},
+    }
+    md = targets_markdown(results, {"mapreduce": "out/mapreduce.jsonl"})
+    ablation = md.split("### Ablation", 1)[1].split("\n\n")[1]
+    labels = [line.split(" | ")[1] for line in ablation.splitlines()[2:]]
+    expected = ["all on", "no registered DAG (learned shapes)"]
+    assert labels == expected + [f"no {m}" for m in ABLATIONS]
