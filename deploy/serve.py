@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
@@ -235,6 +235,22 @@ def ray_router_factory(cfg: ServiceConfig) -> Any:
     return factory
 
 
+def check_engines_answer(urls: Sequence[str], api_key: str | None, timeout_s: float = 10.0) -> None:
+    """Fail before anything starts, in one line, where an `openai:` engine does not list
+    its models: the router's start would fail on it anyway, deep in a traceback."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    for i, url in enumerate(urls):
+        where = f"--engines: engine {i} at {url}"
+        try:
+            resp = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"{where} cannot be reached ({exc or type(exc).__name__})") from None
+        if resp.status_code != 200:
+            raise ConfigError(f"{where} answered GET /v1/models with HTTP {resp.status_code}")
+
+
 def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -283,6 +299,8 @@ def serve_main(args: argparse.Namespace) -> int:
         raise ConfigError("--engines vllm:N needs --model DIR (e.g. from `wasma tiny-model DIR`)")
     if cfg.model and not Path(cfg.model).is_dir():
         raise ConfigError(f"--model {cfg.model}: no such directory")
+    if spec.kind == "openai":
+        check_engines_answer(spec.urls, cfg.engine_options.get("api_key"))
     keys = load_api_keys(args.api_key_file, os.environ)
     tokenizer, gcfg = gateway_setup(
         cfg, keys, getattr(args, "served_model_name", None), file_cfg.get("gateway", {})

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -398,3 +399,52 @@ def test_serve_bad_config_fails_before_the_server_starts(
     assert err.startswith("wasma: error: --config ")
     assert len(err.splitlines()) == 1
     assert re.search(pattern, err)
+
+
+def _models_server(status: int) -> Any:
+    """A loopback HTTP server answering every GET with `status` (a stand-in engine)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"data": [{"id": "m"}]}'
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_serve_names_an_openai_engine_that_does_not_answer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from deploy.build import free_ports
+    from deploy.serve import check_engines_answer
+
+    up, refusing = _models_server(200), _models_server(401)
+    try:
+        good = f"http://127.0.0.1:{up.server_address[1]}"
+        check_engines_answer([good], None)  # answers: nothing to say
+        nobody = f"http://127.0.0.1:{free_ports(1)[0]}"
+        for urls, pattern in (
+            ([good, nobody], r"engine 1 at http://127\.0\.0\.1:\d+ cannot be reached \(.+\)"),
+            (
+                [f"http://127.0.0.1:{refusing.server_address[1]}"],
+                r"engine 0 at .* answered GET /v1/models with HTTP 401",
+            ),
+        ):
+            argv = ["serve", "--engines", "openai:" + ",".join(urls), "--router-in-process"]
+            assert main(argv) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1
+            assert re.search("^wasma: error: --engines: " + pattern, err), err
+    finally:
+        up.shutdown()
+        refusing.shutdown()
