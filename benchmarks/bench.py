@@ -64,7 +64,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
 
 
 class Runner:
-    """Submits RunSpecs to local processes or Ray and yields results as they finish."""
+    """Submits RunSpecs to local processes or Ray and collects their results."""
 
     def __init__(self, workers: int | None = None, ray_address: str | None = None) -> None:
         self.workers = workers or max(1, os.cpu_count() or 1)
@@ -117,16 +117,19 @@ class Runner:
     def run_all(
         self, specs: Iterable[RunSpec], progress: Callable[[dict[str, Any]], None]
     ) -> list[dict[str, Any]]:
+        """Every spec's row, in the order of `specs` (reports and results files do not
+        depend on which parallel run finished first); `progress` sees each as it ends."""
         handles = [self.submit(s) for s in specs]
-        out: list[dict[str, Any]] = []
+        position = {h: i for i, h in enumerate(handles)}
+        out: list[dict[str, Any] | None] = [None] * len(handles)
         pending = handles
         while pending:
             done, pending = self.wait_any(pending)
             for h in done:
                 row = self.result(h)
-                out.append(row)
+                out[position[h]] = row
                 progress(row)
-        return out
+        return [row for row in out if row is not None]
 
 
 @dataclass

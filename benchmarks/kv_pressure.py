@@ -193,8 +193,8 @@ def _params_key(params: Any) -> str:
 
 
 def _key(row: dict[str, Any]) -> tuple[str, float, str]:
-    # run_all yields rows as they finish, not in submission order: match them back.
-    # (The rate scale is the spec's own float, returned unchanged.)
+    # Rows are matched to their cells by what they ran, not by position. (The rate scale
+    # is the spec's own float, returned unchanged.)
     return (row["trace"], row["rate_scale"], _params_key(row.get("params")))
 
 

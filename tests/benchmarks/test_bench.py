@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,3 +141,24 @@ def test_bench_sweep_reports_capacity(tiny_trace: str, tmp_path: Path) -> None:
     assert "capacity" in table(res)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["capacity"] == cap
+
+
+def test_run_all_returns_rows_in_the_order_of_the_specs() -> None:
+    from benchmarks.bench import Runner
+
+    class LastFirst(Runner):
+        """Runs finish in reverse order of submission."""
+
+        def submit(self, spec: Any) -> Any:
+            return spec
+
+        def wait_any(self, handles: list[Any]) -> tuple[list[Any], list[Any]]:
+            return [handles[-1]], handles[:-1]
+
+        def result(self, handle: Any) -> dict[str, Any]:
+            return {"spec": handle}
+
+    seen: list[int] = []
+    rows = LastFirst(workers=1).run_all(range(5), lambda row: seen.append(row["spec"]))
+    assert seen == [4, 3, 2, 1, 0]  # progress as runs finish
+    assert [row["spec"] for row in rows] == [0, 1, 2, 3, 4]
