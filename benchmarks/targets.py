@@ -234,31 +234,25 @@ def targets_markdown(results: dict[str, Any], traces: dict[str, str]) -> str:
     lines += ["", "### Ablation (wasma at 1.5x the least_loaded knee; each mechanism off)", ""]
     lines.append("| app | variant | attainment | goodput wf/s | P95 workflow s | prefix hit |")
     lines.append("|---|---|---|---|---|---|")
-    for app, path in traces.items():
-        name = Path(path).name
-        knee = cap[name]["least_loaded"]
-        # In the variants' own order, not the order the parallel runs finished in.
-        order = ["all on", _NO_DAG, *(f"no {m}" for m in ABLATIONS)]
+    # In the variants' own order, whatever the order of the runs.
+    order = ["all on", _NO_DAG, *(f"no {m}" for m in ABLATIONS)]
+    for app, mult, _knee, cell in _cells(runs, cap, traces):
+        if mult != 1.5:
+            continue
         rows: dict[str, str] = {}
-        for r in runs:
-            if (
-                r["trace"] == name
-                and r["policy"] == "wasma"
-                and not r.get("sweep")
-                and abs(r["rate_scale"] - knee * 1.5) < 1e-9
-            ):
-                params = r.get("params")
-                if params and params not in ABLATIONS.values():
-                    continue  # an option's run: its own table
-                label = "all on" if r.get("dags", True) else _NO_DAG
-                for mechanism, off in ABLATIONS.items():
-                    if params == off:
-                        label = f"no {mechanism}"
-                rows[label] = (
-                    f"| {app} | {label} | {r['deadline_attainment']:.3f} "
-                    f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "
-                    f"| {r['prefix_hit_ratio']:.3f} |"
-                )
+        for r in cell:
+            params = r.get("params")
+            if r["policy"] != "wasma" or (params and params not in ABLATIONS.values()):
+                continue  # another policy, or an option's run (its own table)
+            label = "all on" if r.get("dags", True) else _NO_DAG
+            for mechanism, off in ABLATIONS.items():
+                if params == off:
+                    label = f"no {mechanism}"
+            rows[label] = (
+                f"| {app} | {label} | {r['deadline_attainment']:.3f} "
+                f"| {r['goodput_wf_per_s']:.3f} | {r['p95_workflow_s']:.2f} "
+                f"| {r['prefix_hit_ratio']:.3f} |"
+            )
         lines += [rows[label] for label in order if label in rows]
     lines += _options_markdown(runs, cap, traces)
     d = results["decision_latency"]

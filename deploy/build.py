@@ -116,11 +116,7 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
         async def connect(i: int, url: str) -> EngineClient:
             kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
             eng = OpenAIEngine(f"vllm{i}", url, kv_events_endpoint=kv, **dict(cfg.engine_options))
-            try:
-                await eng.start()
-            except BaseException:
-                await eng.close()
-                raise
+            await eng.start()
             return eng
 
         return await launch_all(connect(i, url) for i, url in enumerate(spec.urls))

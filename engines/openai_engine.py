@@ -186,6 +186,14 @@ class OpenAIEngine(EngineClient):
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            # A failed start leaves no client sessions or background tasks behind.
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         if self._use_aiohttp and self._aio is None:
             self._aio = self._open_session()
         if self.model is None:

@@ -181,6 +181,17 @@ async def test_unreachable_server_is_unhealthy() -> None:
         await engine.close()
 
 
+async def test_a_failed_start_closes_its_clients() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    # No model given: start must ask the server for it, and cannot.
+    engine = OpenAIEngine("down", "http://nowhere:1", transport=httpx.MockTransport(refuse))
+    with pytest.raises(httpx.ConnectError):
+        await engine.start()
+    assert engine._http.is_closed and not engine._tasks
+
+
 def _stored(hashes: list[bytes | int], parent: bytes | int | None, tokens: list[int]) -> WireStored:
     return WireStored(
         block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS
