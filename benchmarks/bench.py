@@ -22,6 +22,7 @@ from engines.sim.profile import load_profile
 from scheduler.trace import load_trace
 
 CAPACITY_ATTAINMENT = 0.9
+DEFAULT_TOPOLOGY = "hgx-h100"
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,14 @@ class RunSpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     # False: the router gets requests only, as from agents that never register their DAG.
     dags: bool = True
+    # The machines' network (a topology preset): engines fill its GPUs 8 to a node.
+    topology: str = DEFAULT_TOPOLOGY
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Run one simulation; top-level so process pools and Ray can ship it."""
     from benchmarks.metrics import summarize
-    from benchmarks.sim_replay import SimReplay
+    from benchmarks.sim_replay import SimReplay, topology_pricer
 
     profile = load_profile(spec.profile)
     workflows = load_trace(spec.trace)
@@ -51,6 +54,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         spec.rate_scale,
         params=spec.params,
         register_dags=spec.dags,
+        pricer=topology_pricer([f"e{i}" for i in range(spec.engines)], spec.topology),
     ).run()
     row = summarize(run, Path(spec.trace).name, profile.kv_bytes_per_token)
     # The simulator knows when a request was evicted mid-run to free KV blocks (and
@@ -60,6 +64,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         row["params"] = dict(spec.params)
     if not spec.dags:
         row["dags"] = False
+    if spec.topology != DEFAULT_TOPOLOGY:
+        row["topology"] = spec.topology
     return row
 
 
@@ -166,6 +172,7 @@ def sweep_capacity(
     params: Mapping[str, Mapping[str, Any]],
     on_row: Callable[[dict[str, Any]], None],
     dags: bool = True,
+    topology: str = DEFAULT_TOPOLOGY,
 ) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
     """Capacity of each (trace, policy): the searches run side by side, each submitting
     its next rate as soon as its last result is in."""
@@ -176,7 +183,7 @@ def sweep_capacity(
     def launch(s: CapacitySearch) -> None:
         assert s.next_scale is not None
         pp = dict(params.get(s.policy, {}))
-        spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp, dags)
+        spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp, dags, topology)
         inflight[runner.submit(spec)] = s
 
     for s in searches.values():
@@ -208,6 +215,7 @@ def bench(
     params: Mapping[str, Mapping[str, Any]] | None = None,
     show_progress: bool = True,
     dags: bool = True,
+    topology: str = DEFAULT_TOPOLOGY,
 ) -> dict[str, Any]:
     """Run the grid (and sweeps), write results.json and plots; return the results."""
     params = params or {}
@@ -216,7 +224,7 @@ def bench(
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, float]] = {}
     grid = [
-        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})), dags)
+        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})), dags, topology)
         for t in traces
         for p in policies
         for r in (rates or [])
@@ -243,6 +251,7 @@ def bench(
                 params,
                 tick,
                 dags,
+                topology,
             )
             runs.extend(rows)
             for (trace, policy), scale in found.items():

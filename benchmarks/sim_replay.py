@@ -15,6 +15,7 @@ from typing import Any
 from engines.base import DEFAULT_RETAIN_S
 from engines.sim.core import SimEngineCore, SimRequest
 from engines.sim.profile import Profile
+from scheduler.copies import CopySchedule
 from scheduler.policy import PolicyContext, RequestInfo, TransferPricer
 from scheduler.prefix_index import PrefixIndex
 from scheduler.pricing import DeviceMappedPricer, hgx_devices
@@ -136,6 +137,7 @@ class SimReplay:
             pricer=pricer or topology_pricer(names),
             params=dict(params or {}),
             can_defer=True,
+            relay_copies=True,
         )
         reg = registry or default_registry()
         self.policy_name = policy
@@ -146,6 +148,11 @@ class SimReplay:
             for n in names
         ]
         self.hasher = BlockHasher(profile.block_size)
+        # When copies really land: each engine's link sends one copy (or one broadcast
+        # group) at a time, as the planner prices it. The router keeps its own book of
+        # the same copies to price placements; this one is the simulated network.
+        assert self.ctx.pricer is not None
+        self.links = CopySchedule(self.ctx.pricer, relay=True)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._gen = [0] * num_engines
@@ -265,9 +272,16 @@ class SimReplay:
             tr = placement.transfer
             moved = tr.num_bytes
             self._meta[rid] = (wf, node_id, placement.kind.value, moved)
-            self._push(
-                now + tr.predicted_s, _READY, (placement.engine, req, full[: tr.num_blocks], now)
+            landed = self.links.book(
+                self.names[tr.src],
+                self.names[placement.engine],
+                full,
+                tr.num_blocks,
+                tr.num_bytes,
+                now,
+                tr.broadcast,
             )
+            self._push(landed.ready_s, _READY, (placement.engine, req, full[: tr.num_blocks], now))
         else:
             req.arrival_time = now
             self._add(placement.engine, req, now)

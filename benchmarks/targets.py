@@ -45,6 +45,7 @@ MULTS = (1.0, 1.5, 2.0)  # rates as multiples of least_loaded's capacity (its "k
 ABLATIONS: dict[str, dict[str, Any]] = {
     "colocate": {"colocate": False},
     "transfer": {"transfer": False},
+    "broadcast": {"broadcast": False},
     "priority": {"priority": False},
     "retain": {"retain": False},
     "hopeless": {"hopeless": False},

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=_positive_int, default=None)
     b.add_argument("--address", default=None, help="Ray address: run the grid as Ray tasks")
     b.add_argument(
+        "--topology",
+        default="preset:hgx-h100",
+        help="the engines' network, preset:NAME (hgx-h100, hgx-h200, pcie-8); engines fill "
+        "its GPUs 8 to a node, and KV moves are priced and timed on it",
+    )
+    b.add_argument(
         "--no-dags",
         action="store_true",
         help="the router sees requests only (workflow id, node, parents, deadline), as from "
@@ -253,6 +259,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         f"tokens exceed max_model_len {profile.max_model_len} of profile "
                         f"{profile.name!r}"
                     )
+    topology = _topology_preset(args.topology)
     params = parse_params(args.param)
     for pol in params:
         if pol not in args.policies:
@@ -270,10 +277,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ray_address=args.address,
         params=params,
         dags=not args.no_dags,
+        topology=topology,
     )
     print(table(results))
     print(f"results: {Path(args.out) / 'results.json'}; plots: goodput.png, p95_latency.png")
     return 0
+
+
+def _topology_preset(value: str) -> str:
+    """`preset:NAME` (or NAME) of a topology preset, as `wasma bench --topology` takes it."""
+    from transfer.presets import SHAPES
+
+    name = value.removeprefix("preset:")
+    if name not in SHAPES:
+        raise CLIError(
+            f"--topology: unknown preset {value!r}; choose from: "
+            + ", ".join(f"preset:{n}" for n in sorted(SHAPES))
+        )
+    return name
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

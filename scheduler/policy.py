@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Protocol
 
 from engines.sim.profile import Profile
 from scheduler.app_shapes import AppShapes
+from scheduler.copies import CopySchedule
 from scheduler.estimate_bias import EstimateBias
 from scheduler.prefix_index import PrefixIndex
 from scheduler.state import ClusterState
@@ -45,7 +46,10 @@ class TransferOrder:
     src: int
     num_blocks: int
     num_bytes: int
-    predicted_s: float
+    predicted_s: float  # until the prefix is on the engine, link queue included
+    # Rides a broadcast of the same prefix from `src` already in flight, where one is
+    # (`CopySchedule`); drivers book the copy with the same choice.
+    broadcast: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,10 @@ class PolicyContext:
     # How much longer than the policy estimated requests have been taking (the router
     # feeds it from placements and finishes).
     estimates: EstimateBias = field(default_factory=EstimateBias)
+    # Whether engines can relay a prefix they are receiving (GPU collectives: simulated
+    # engines). The live vLLM connector pulls every copy from the holder: no.
+    relay_copies: bool = False
+    _copies: CopySchedule | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.inflight = PrefixIndex(self.state.engines, max_blocks=1_000_000)
@@ -119,6 +127,17 @@ class PolicyContext:
     @property
     def block_size(self) -> int:
         return self.profile.block_size
+
+    @property
+    def copies(self) -> CopySchedule | None:
+        """The copies the router ordered, on each engine's outbound link, priced by
+        `pricer` (None without one; a new book if the pricer is replaced)."""
+        book = self._copies
+        if book is None or book.pricer is not self.pricer:
+            book = self._copies = (
+                None if self.pricer is None else CopySchedule(self.pricer, self.relay_copies)
+            )
+        return book
 
 
 class Policy(ABC):

@@ -48,6 +48,18 @@ class Router:
         )
         self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
         name = self.ctx.state.loads[placement.engine].name
+        tr = placement.transfer
+        if tr is not None and self.ctx.copies is not None:
+            # The copy now occupies the holder's link: the next placement sees it there.
+            self.ctx.copies.book(
+                self.ctx.state.loads[tr.src].name,
+                name,
+                req.block_hashes,
+                tr.num_blocks,
+                tr.num_bytes,
+                now,
+                tr.broadcast,
+            )
         hashes = tuple(req.block_hashes)
         if hashes and self.policy.reads_inflight:
             self._inflight[req.request_id] = (name, hashes)

@@ -207,6 +207,26 @@ def test_bench_unknown_policy(
     assert not (tmp_path / "o").exists()
 
 
+def test_bench_on_another_topology(trace_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    argv = ["bench", "--trace", str(trace_file), "--policies", "wasma", "--engines", "2"]
+    assert main([*argv, "--workers", "1", "--topology", "preset:pcie-8", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["runs"] and all(r["topology"] == "pcie-8" for r in res["runs"])
+    # The default network is not written into rows (results stay as they were).
+    default = tmp_path / "d"
+    assert main([*argv, "--workers", "1", "--out", str(default)]) == 0
+    assert "topology" not in json.loads((default / "results.json").read_text())["runs"][0]
+
+
+def test_bench_unknown_topology(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = error_of(capsys, bench_argv(trace_file, tmp_path, "--topology", "preset:ring-9"))
+    assert "--topology" in line and "'preset:ring-9'" in line and "preset:pcie-8" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = error_of(capsys, bench_argv(tmp_path / "nope.jsonl", tmp_path))
     assert "nope.jsonl" in line and "cannot read" in line

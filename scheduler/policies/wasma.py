@@ -10,7 +10,11 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   a prompt head (debaters over one topic) land together and prefill it once, in the
   same vLLM step, instead of once per engine;
 - transfer: if another engine holds a longer prefix, moving it is priced by the transfer
-  planner, counting only the part not hidden behind the request's queueing;
+  planner, counting only the part not hidden behind the request's queueing. A copy waits
+  for those already on the holder's link (`ctx.copies`); siblings that spread from one
+  holder ride one broadcast of their prefix where engines can relay (the simulated
+  GPUs: a pipelined chain or trees, as the planner prices it), and the prefix comes from
+  whichever holder's link is free first;
 - priority: slack = deadline - now - the node's remaining critical path (from the DAG, or
   the app's learned shape); held work leaves the router least slack first, and with
   `engine_priority` the engine runs it that way too (vLLM priority scheduling; off by
@@ -36,6 +40,7 @@ the requests already there. It picks the lowest. What makes that estimate workfl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from scheduler.policy import (
@@ -76,6 +81,10 @@ class Wasma(Policy):
     params: ClassVar[dict[str, Any]] = {
         "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
+        # Siblings spreading from one holder ride one broadcast of their prefix (a
+        # pipelined chain or trees) where engines can relay; off: each copy queues on the
+        # holder's link behind the last.
+        "broadcast": True,
         "priority": True,  # slack-ordered priority
         # Send the slack order to the engine too (vLLM priority scheduling). Off: the
         # router releases held work by slack and the engine runs what it gets in arrival
@@ -271,6 +280,31 @@ class Wasma(Policy):
                     imposed += lj.outstanding * kappa * min(added, max(0.0, busy_s[j] - mine))
         return slowed, imposed
 
+    def _source(
+        self,
+        slots: list[int],
+        real: list[int],
+        max_real: int,
+        hashes: Sequence[int],
+        now: float,
+        broadcast: bool,
+    ) -> int:
+        """The engine to move the prefix from, among those holding all `max_real` blocks
+        of it: one already broadcasting it, else the one whose link frees first (the
+        first such in slot order)."""
+        copies = self.ctx.copies
+        assert copies is not None
+        loads = self.ctx.state.loads
+        best, best_wait = slots[0], float("inf")
+        for s in [s for s in slots if real[s] == max_real]:
+            name = loads[s].name
+            if broadcast and copies.joinable(name, hashes, max_real, now):
+                return s
+            wait = max(0.0, copies.free_s(name) - now)
+            if wait < best_wait:
+                best, best_wait = s, wait
+        return best
+
     # -- placement -------------------------------------------------------------------
     def place(self, req: RequestInfo, now: float) -> Placement:
         ctx = self.ctx
@@ -284,6 +318,10 @@ class Wasma(Policy):
         slots = self.healthy_slots()
         holder = max(slots, key=real.__getitem__)
         max_real = real[holder]
+        copies = ctx.copies
+        broadcast = bool(p["broadcast"])
+        if copies is not None and max_real > 0 and p["transfer"]:
+            holder = self._source(slots, real, max_real, hashes, now, broadcast)
         hits = real
         if p["colocate"]:
             # Prompts placed but not started count where no engine holds the prefix yet
@@ -303,7 +341,7 @@ class Wasma(Policy):
         req_blocks = -(-(req.prompt_tokens + req.max_tokens) // bs)
         load_aware = p["load_aware"]
         kv_gate = bool(p["kv_admission"])
-        can_move = p["transfer"] and ctx.pricer is not None and max_real > 0
+        can_move = p["transfer"] and copies is not None and max_real > 0
         cap_limit = p["kv_headroom"]
         c_pre = self._c_prefill
         attn = st.per_prefill_attn_s * req.prompt_tokens
@@ -354,12 +392,17 @@ class Wasma(Policy):
                         continue
                 extra = max_real - hit
                 nbytes = extra * self._kv_bytes_per_block
-                assert ctx.pricer is not None
-                t = ctx.pricer.estimate_s(loads[holder].name, [load.name], nbytes)
+                assert copies is not None
+                t = (
+                    copies.quote(
+                        loads[holder].name, load.name, hashes, max_real, nbytes, now, broadcast
+                    ).ready_s
+                    - now
+                )
                 # The copy overlaps the request's wait in the queue; only the rest shows.
                 exposed = max(0.0, t - queued)
                 if extra * bs * (c_pre + attn) - exposed > p["min_transfer_gain_s"]:
-                    transfer = TransferOrder(holder, max_real, nbytes, t)
+                    transfer = TransferOrder(holder, max_real, nbytes, t, broadcast)
                     uncached = req.prompt_tokens - max_real * bs
                     queued += exposed
             prefill = uncached * (c_pre + attn)

@@ -337,3 +337,34 @@ def test_wasma_sizes_the_lease_to_the_work_left_after_the_node() -> None:
     assert _lease_s(0.1) == 1.0  # never under a second
     assert _lease_s(12.0) == 24.0
     assert _lease_s(1e6) == 600.0
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_copies_land_when_the_router_booked_them(broadcast: bool) -> None:
+    """The router prices each move with the copies it already ordered on the holder's
+    link; the simulated network lands every copy exactly then (same planner, same
+    order), so its links end where the router's book does. On PCIe, siblings spread
+    from one holder, and their copies ride one broadcast or queue."""
+    from benchmarks.sim_replay import topology_pricer
+
+    names = [f"e{i}" for i in range(8)]
+    sim = SimReplay(
+        trace("mapreduce", n=40, rate=4.0),
+        "wasma",
+        8,
+        PROFILE,
+        rate_scale=1.5,
+        params={"broadcast": broadcast},
+        pricer=topology_pricer(names, "pcie-8"),
+    )
+    run = sim.run()
+    book = sim.ctx.copies
+    assert book is not None and book is not sim.links
+    moved = [r for r in run.requests if r.kind == "transfer"]
+    assert moved and sim.links.booked == book.booked == len(moved)
+    assert all(sim.links.free_s(n) == book.free_s(n) for n in names)
+    assert (sim.links.joined, sim.links.queued) == (book.joined, book.queued)
+    if broadcast:
+        assert sim.links.joined > 0
+    else:
+        assert sim.links.joined == 0 and sim.links.queued > 0

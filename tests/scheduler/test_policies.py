@@ -542,8 +542,15 @@ def test_wasma_pruning_never_changes_the_decision(n: int, seed: int, kv: bool) -
     """Skipping engines that cannot win must choose exactly what scoring every one does."""
     rng = random.Random(seed)
     ctx = make_ctx(n=n, params={"kv_admission": kv})
+    ctx.relay_copies = rng.random() < 0.5
     ctx.pricer = LinkBandwidthPricer(ctx.state.engines)
     chains = [[rng.getrandbits(40) for _ in range(rng.randint(4, 300))] for _ in range(4)]
+    book = ctx.copies
+    assert book is not None
+    for _ in range(rng.randint(0, 6)):  # copies already on some links, some broadcasts
+        chain = rng.choice(chains)
+        src, dst = rng.sample(range(n), 2)
+        book.book(f"e{src}", f"e{dst}", chain, len(chain), len(chain) << 21, 0.0)
     for e in range(n):
         for chain in rng.sample(chains, rng.randint(0, 2)):
             hold(ctx, e, chain[: rng.randint(1, len(chain))])
@@ -592,3 +599,38 @@ def test_wasma_says_when_retained_context_is_next_wanted(by_use: bool) -> None:
         assert parent.retain_use_s is None
     child = p.place(req("wf/b", list(range(70)), 1116, 200, "wf", "b", 1000.0), 9.0)
     assert not child.retain and child.retain_use_s is None
+
+
+def spread_siblings(broadcast: bool, relay: bool) -> list[Placement]:
+    """Three requests sharing a 200-block prefix that only a busy e0 holds."""
+    from transfer import BandwidthPricer
+
+    ctx = make_ctx(n=4, params={"broadcast": broadcast})
+    ctx.relay_copies = relay
+    ctx.pricer = BandwidthPricer(25e9, latency_s=1e-3)
+    prefix = list(range(5000, 5200))
+    hold(ctx, 0, prefix)
+    ctx.state.on_dispatch("bg", 0, Charge(1000, 60_000, 500))
+    router = Router(ctx, policy("wasma", ctx))
+    return [router.route(req(f"s{i}", [*prefix, 9000 + i], max_tokens=100), 0.0) for i in range(3)]
+
+
+def test_wasma_siblings_spreading_from_one_holder_ride_one_broadcast() -> None:
+    placed = spread_siblings(broadcast=True, relay=True)
+    assert [p.engine for p in placed] == [1, 2, 3]
+    transfers = [p.transfer for p in placed]
+    assert all(t is not None and t.src == 0 and t.broadcast for t in transfers)
+    first, second, third = (t.predicted_s for t in transfers if t is not None)
+    # Each joins the copy in flight: a hop more, not a whole copy more.
+    assert first < second < third < first + 0.01
+
+
+@pytest.mark.parametrize("broadcast,relay", [(False, True), (True, False)])
+def test_wasma_copies_from_one_holder_queue_without_a_broadcast(
+    broadcast: bool, relay: bool
+) -> None:
+    placed = spread_siblings(broadcast, relay)
+    times = [p.transfer.predicted_s for p in placed if p.transfer is not None]
+    assert len(times) >= 2
+    # The second copy waits for the first on e0's link.
+    assert times[1] == pytest.approx(2 * times[0])
