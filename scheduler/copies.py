@@ -129,7 +129,6 @@ class CopySchedule:
         alone = start + self.pricer.estimate_s(src, [dst], num_bytes)
         if broadcast and self.joinable(src, chain, num_blocks, now):
             g = self._last[src]
-            assert g is not None
             if dst in g.dsts:
                 return Booking(g.end_s, True), g.end_s
             # The group is the last copy on the link, so growing it delays nothing booked

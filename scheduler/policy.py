@@ -131,9 +131,9 @@ class PolicyContext:
     @property
     def copies(self) -> CopySchedule | None:
         """The copies the router ordered, on each engine's outbound link, priced by
-        `pricer` (None without one; a new book if the pricer is replaced)."""
+        `pricer` (None without one; a new book if the pricer or `relay_copies` changes)."""
         book = self._copies
-        if book is None or book.pricer is not self.pricer:
+        if book is None or book.pricer is not self.pricer or book.relay != self.relay_copies:
             book = self._copies = (
                 None if self.pricer is None else CopySchedule(self.pricer, self.relay_copies)
             )
