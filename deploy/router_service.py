@@ -331,6 +331,8 @@ class RouterService:
         self.set_calibration(calibration)
         self.max_outstanding = max_outstanding
         self.stats_interval_s = stats_interval_s
+        # The last KV load (EngineStats.kv_loads) counted into the metrics, per engine.
+        self._kv_loads_seen: dict[str, int] = {}
         self.idle_workflow_s = idle_workflow_s
         # A request waiting this long for its next chunk (the first one included) while
         # its engine produced nothing for anyone counts the engine as stalled, and moves;
@@ -455,6 +457,7 @@ class RouterService:
                 state.set_healthy(slot, True)
             if stats is not None:
                 state.on_stats(slot, stats)
+                self._observe_kv_loads(engine.name, stats.kv_loads)
             load = state.loads[slot]
             self.metrics.set_engine(
                 engine.name,
@@ -465,6 +468,18 @@ class RouterService:
             )
 
         await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines)))
+
+    def _observe_kv_loads(self, engine: str, loads: tuple[tuple[int, int, float], ...]) -> None:
+        """Count the engine's KV loads from peers not counted yet (transfer bytes and
+        seconds, as its connector measured them)."""
+        seen = self._kv_loads_seen.get(engine, 0)
+        if loads and loads[-1][0] < seen:
+            seen = 0  # a new engine process numbers its loads from 1 again
+        for seq, nbytes, seconds in loads:
+            if seq > seen:
+                self.metrics.observe_transfer(nbytes, seconds)
+                seen = seq
+        self._kv_loads_seen[engine] = seen
 
     async def _poll_engines(self) -> None:
         while True:

@@ -68,6 +68,10 @@ class EngineStats:
     num_kv_blocks: int
     prefix_cache_queries_tokens: int = 0
     prefix_cache_hits_tokens: int = 0
+    # The engine's last KV loads from peers (the wasma connector), oldest first, each
+    # (sequence number, bytes, seconds): a reader keeps the last number it saw and takes
+    # only newer ones, so polls that overlap or go missing neither count twice nor skip.
+    kv_loads: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(slots=True)

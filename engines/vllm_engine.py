@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import tempfile
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 RETAINING_SCHEDULER = "engines.vllm_retention.WasmaScheduler"
 
 GiB = 1 << 30
+# KV loads an engine reports back (EngineStats.kv_loads): more than land between two of
+# the router's polls.
+KV_LOADS_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,9 @@ class _LatestStats:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.steps = 0
+        # (sequence number, bytes, seconds) of the last KV loads from peers that landed.
+        self.kv_loads: deque[tuple[int, int, float]] = deque(maxlen=KV_LOADS_KEPT)
+        self.kv_load_seq = 0
 
 
 def _read_peer_address(path: str, engine: str) -> str:
@@ -144,6 +151,13 @@ def _stat_logger_factory(box: _LatestStats) -> Any:
             if pcs is not None:
                 box.queries_tokens += pcs.queries
                 box.hits_tokens += pcs.hits
+            # The wasma connector's loads that ended this step (transfer.vllm_connector.
+            # WasmaLoadStats); failed ones were recomputed and moved nothing usable.
+            connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            for nbytes, seconds, ok in connector.get("loads", ()):
+                if ok:
+                    box.kv_load_seq += 1
+                    box.kv_loads.append((box.kv_load_seq, int(nbytes), float(seconds)))
             box.steps += 1
 
         def log_engine_initialized(self) -> None:
@@ -446,6 +460,7 @@ class VLLMEngine(EngineClient):
             num_kv_blocks=max(0, self.num_kv_blocks - 1),
             prefix_cache_queries_tokens=s.queries_tokens,
             prefix_cache_hits_tokens=s.hits_tokens,
+            kv_loads=tuple(s.kv_loads),
         )
 
     async def reset_prefix_cache(self) -> bool:

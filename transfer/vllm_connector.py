@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from transfer.kv_peer import (
     LayerBlocks,
@@ -87,6 +89,36 @@ class StoreSpec:
     block_ids: tuple[int, ...]
 
 
+class WasmaLoadStats(KVConnectorStats):
+    """The loads from peers that ended since vLLM last asked: `data["loads"]` holds one
+    `[bytes, seconds, ok]` per load (`ok` false: it failed and vLLM recomputes). vLLM
+    ships this dict from the worker to its stat loggers, where wasma's engine reads it
+    (`engines/vllm_engine.py`)."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data={"loads": list((data or {}).get("loads", []))})
+
+    def reset(self) -> None:
+        self.data = {"loads": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["loads"].extend(other.data.get("loads", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        loads = self.data["loads"]
+        done = [load for load in loads if load[2]]
+        return {
+            "loads": len(done),
+            "failed_loads": len(loads) - len(done),
+            "loaded_bytes": sum(int(load[0]) for load in done),
+            "load_seconds": sum(float(load[1]) for load in done),
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data["loads"]
+
+
 @dataclass
 class WasmaConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)  # during this step's forward
@@ -105,6 +137,8 @@ class _Load:
         self.layers: dict[str, LayerBlocks] = {}
         self.error: str | None = None
         self.done = False
+        self.nbytes = 0  # received so far
+        self.seconds = 0.0  # from the fetch's start to its last layer (or failure)
         self.changed = threading.Condition()
         self.thread = threading.Thread(
             target=self._run, name=f"wasma-load-{spec.req_id}", daemon=True
@@ -112,8 +146,10 @@ class _Load:
         self.thread.start()
 
     def _run(self) -> None:
+        start = time.perf_counter()
         try:
             for layer in fetch(self.spec.peer, self.spec.key, self.spec.first_block):
+                self.nbytes += len(layer.data)
                 if self.on_layer is not None:
                     self.on_layer(layer)
                     continue
@@ -123,6 +159,7 @@ class _Load:
         except (PeerError, ValueError, RuntimeError, KeyError) as exc:
             self.error = str(exc)
         finally:
+            self.seconds = time.perf_counter() - start
             with self.changed:
                 self.done = True
                 self.changed.notify_all()
@@ -167,6 +204,7 @@ class WasmaPeerConnector(KVConnectorBase_V1):
         self._prefetching: dict[str, _Load] = {}
         self._failed_blocks: set[int] = set()
         self._saving: dict[str, list[LayerBlocks]] = {}
+        self._ended: list[list[Any]] = []  # [bytes, seconds, ok] per load, for the stats
         self._store: PeerStore | None = None
         self._server: PeerServer | None = None
         if role == KVConnectorRole.WORKER:
@@ -298,6 +336,7 @@ class WasmaPeerConnector(KVConnectorBase_V1):
                 continue
             del self._prefetching[req_id]
             results.finished_recving.add(req_id)
+            self._ended.append([load.nbytes, load.seconds, load.error is None])
             if load.error is not None:
                 logger.warning(
                     "wasma: prefetching %s from %s failed (%s); recomputing",
@@ -382,7 +421,20 @@ class WasmaPeerConnector(KVConnectorBase_V1):
         self._saving.clear()
         for load in self._active:
             load.thread.join(timeout=LAYER_TIMEOUT_S)
+            # A layer that did not fit fails the load even where every byte arrived.
+            ok = load.error is None and not set(load.spec.block_ids) & self._failed_blocks
+            self._ended.append([load.nbytes, load.seconds, ok])
         self._active = []
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if not self._ended:
+            return None
+        stats, self._ended = WasmaLoadStats({"loads": self._ended}), []
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return WasmaLoadStats(data)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

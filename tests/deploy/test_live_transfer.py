@@ -10,11 +10,14 @@ those of the same prompt on the engine that computed the context itself.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.serve import ServerThread
 from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo, TransferOrder
@@ -97,7 +100,21 @@ def _complete(client: openai.OpenAI, prompt: list[int], node: str, max_tokens: i
     )
 
 
-def test_child_loads_its_parents_kv_from_the_other_engine(client: openai.OpenAI) -> None:
+def _transfer_metrics(url: str) -> tuple[float, float]:
+    """(wasma_transfer_bytes_total, loads counted in wasma_transfer_seconds)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    got = {"wasma_transfer_bytes_total": 0.0, "wasma_transfer_seconds_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in got:
+                got[sample.name] = sample.value
+    return got["wasma_transfer_bytes_total"], got["wasma_transfer_seconds_count"]
+
+
+def test_child_loads_its_parents_kv_from_the_other_engine(
+    client: openai.OpenAI, gateway: ServerThread
+) -> None:
+    assert _transfer_metrics(gateway.url) == (0, 0)
     rng = random.Random(7)
     parent = [rng.randrange(100, 2000) for _ in range(200)]
     first = _complete(client, parent, "parent@0", 16)
@@ -113,6 +130,15 @@ def test_child_loads_its_parents_kv_from_the_other_engine(client: openai.OpenAI)
     # vllm1 had never seen these tokens: the parent prompt's 6 full blocks came from
     # vllm0 over the connector (vLLM counts them as cached), and vllm1 computed the rest.
     assert usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
+
+    # The connector measured the load, and the router counts it once it polls vllm1:
+    # one load of the 6 blocks' K and V, every layer.
+    deadline = time.monotonic() + 60
+    while _transfer_metrics(gateway.url)[1] < 1:
+        assert time.monotonic() < deadline, "the load never reached /metrics"
+        time.sleep(0.1)
+    nbytes, loads = _transfer_metrics(gateway.url)
+    assert loads == 1 and nbytes > 0 and nbytes % 6 == 0
 
     # The same prompt on the engine that computed the context itself: the same tokens.
     native = _complete(client, child, "child-native@0", 8)
