@@ -422,7 +422,11 @@ class WasmaPeerConnector(KVConnectorBase_V1):
         for load in self._active:
             load.thread.join(timeout=LAYER_TIMEOUT_S)
             # A layer that did not fit fails the load even where every byte arrived.
-            ok = load.error is None and not set(load.spec.block_ids) & self._failed_blocks
+            ok = (
+                load.done
+                and load.error is None
+                and not set(load.spec.block_ids) & self._failed_blocks
+            )
             self._ended.append([load.nbytes, load.seconds, ok])
         self._active = []
 
