@@ -1,5 +1,6 @@
 """The scheduler: workflow DAGs, cluster state, prefix index, policies and the router."""
 
+from scheduler.copies import Booking, CopySchedule
 from scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
 from scheduler.prefix_index import PrefixIndex
 from scheduler.registry import PolicyRegistry, UnknownPolicy, default_registry
@@ -10,7 +11,9 @@ from scheduler.workflow import Workflow, WorkflowError
 from scheduler.workflows import WorkflowRegistry
 
 __all__ = [
+    "Booking",
     "ClusterState",
+    "CopySchedule",
     "EngineLoad",
     "Placement",
     "PlacementKind",
