@@ -7,8 +7,9 @@ the simulator books the same copies on its own schedule, as the truth of when th
 
 Where engines can relay what they receive (GPUs running the planner's pipelined chains
 and trees), copies of one prefix from one engine go as one broadcast: a destination
-that joins the group while it is still in flight lands when the grown group does, at
-the pricer's price for all its destinations, instead of a whole copy behind the first.
+that joins the group while it is still in flight lands when the grown group does (a
+pipelined chain: the slowest hop's rate plus a hop's start-up per destination), instead
+of a whole copy behind the first.
 The live vLLM connector pulls each copy from the holder itself and cannot relay, so
 there every copy queues.
 """
@@ -133,10 +134,14 @@ class CopySchedule:
                 return Booking(g.end_s, True), g.end_s
             # The group is the last copy on the link, so growing it delays nothing booked
             # after it; its earlier destinations keep their times (a chain's new tail
-            # does not slow the hops before it).
+            # does not slow the hops before it). A pipelined chain moves at its slowest
+            # hop's rate plus one hop's start-up a destination: the new tail lands one
+            # start-up after the later of the group's end and its own copy's time from
+            # the group's start. (Pricing the grown set with the planner would plan every
+            # new destination set afresh, milliseconds each, inside a placement.)
             size = max(g.num_bytes, num_bytes)
-            grown = g.start_s + self.pricer.estimate_s(src, [*g.dsts, dst], size)
-            end = max(grown, g.end_s)
+            own = self.pricer.estimate_s(src, [dst], size)
+            end = max(g.end_s, g.start_s + own) + self.pricer.estimate_s(src, [dst], 1)
             if end <= alone:
                 return Booking(end, True), end
         return Booking(alone, False), alone
