@@ -165,6 +165,17 @@ class EngineClient(ABC):
 E = TypeVar("E", bound=EngineClient)
 
 
+async def start_or_close(engine: EngineClient, start: Callable[[], Awaitable[None]]) -> None:
+    """Run an engine's `start`; if it fails, close the engine before re-raising, so a
+    failed start leaves no client sessions, background tasks or sockets behind (a zmq
+    context left open would block garbage collection in term() and hang the process)."""
+    try:
+        await start()
+    except BaseException:
+        await engine.close()
+        raise
+
+
 async def launch_all(launches: Iterable[Awaitable[E]]) -> list[E]:
     """Await engine launches together. If any fails, the ones that started are closed
     before the first failure is raised: a setup that fails halfway leaves no engine

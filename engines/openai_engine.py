@@ -32,6 +32,7 @@ from engines.base import (
     GenerateRequest,
     KVEventSink,
     TokenChunk,
+    start_or_close,
 )
 from engines.vllm_engine import KVEventTranslator
 
@@ -186,12 +187,7 @@ class OpenAIEngine(EngineClient):
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        try:
-            await self._start()
-        except BaseException:
-            # A failed start leaves no client sessions or background tasks behind.
-            await self.close()
-            raise
+        await start_or_close(self, self._start)
 
     async def _start(self) -> None:
         if self._use_aiohttp and self._aio is None:

@@ -38,6 +38,7 @@ from engines.base import (
     KVEvent,
     KVEventSink,
     TokenChunk,
+    start_or_close,
 )
 from scheduler.tokens import ROOT_HASH, hash_token_blocks
 
@@ -291,13 +292,7 @@ class VLLMEngine(EngineClient):
     async def start(self) -> None:
         if self._llm is not None:
             return
-        try:
-            await self._start()
-        except BaseException:
-            # A failed start must not leave the KV-event socket open: garbage collection
-            # of its zmq context would then block in term() and hang the process.
-            await self.close()
-            raise
+        await start_or_close(self, self._start)
 
     async def _start(self) -> None:
         from vllm.config import KVEventsConfig, KVTransferConfig

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class _Pricer(Protocol):
-    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float: ...
+from scheduler.pricing import TransferPricer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +44,7 @@ class CopySchedule:
     """Engines are named as the pricer knows them; one that was never booked has an idle
     link, so engines added later need nothing."""
 
-    def __init__(self, pricer: _Pricer, relay: bool) -> None:
+    def __init__(self, pricer: TransferPricer, relay: bool) -> None:
         self.pricer = pricer
         self.relay = relay
         self._free_s: dict[str, float] = {}  # when each engine's link has sent all it was given

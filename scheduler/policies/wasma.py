@@ -13,8 +13,8 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   planner, counting only the part not hidden behind the request's queueing. A copy waits
   for those already on the holder's link (`ctx.copies`); siblings that spread from one
   holder ride one broadcast of their prefix where engines can relay (the simulated
-  GPUs: a pipelined chain or trees, as the planner prices it), and the prefix comes from
-  whichever holder's link is free first;
+  GPUs: each joins as a pipelined chain's new tail), and the prefix comes from whichever
+  holder's link is free first;
 - priority: slack = deadline - now - the node's remaining critical path (from the DAG, or
   the app's learned shape); held work leaves the router least slack first, and with
   `engine_priority` the engine runs it that way too (vLLM priority scheduling; off by
@@ -82,8 +82,8 @@ class Wasma(Policy):
         "colocate": True,  # count placed-but-not-started prompts as on their engine
         "transfer": True,  # move prefixes between engines when it beats recompute
         # Siblings spreading from one holder ride one broadcast of their prefix (a
-        # pipelined chain or trees) where engines can relay; off: each copy queues on the
-        # holder's link behind the last.
+        # pipelined chain) where engines can relay; off: each copy queues on the holder's
+        # link behind the last.
         "broadcast": True,
         "priority": True,  # slack-ordered priority
         # Send the slack order to the engine too (vLLM priority scheduling). Off: the
