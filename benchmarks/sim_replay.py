@@ -16,9 +16,9 @@ from engines.base import DEFAULT_RETAIN_S
 from engines.sim.core import SimEngineCore, SimRequest
 from engines.sim.profile import Profile
 from scheduler.copies import CopySchedule
-from scheduler.policy import PolicyContext, RequestInfo, TransferPricer
+from scheduler.policy import PolicyContext, RequestInfo
 from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import DeviceMappedPricer, hgx_devices
+from scheduler.pricing import DeviceMappedPricer, TransferPricer, hgx_devices
 from scheduler.registry import PolicyRegistry, default_registry
 from scheduler.router import Router
 from scheduler.state import ClusterState

@@ -20,8 +20,7 @@ from deploy.ray_channel import ChannelServer
 from deploy.router_service import RouterService, ServiceRequest
 from engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
 from engines.sim.profile import Profile, load_profile
-from scheduler.policy import TransferPricer
-from scheduler.pricing import LinkBandwidthPricer
+from scheduler.pricing import LinkBandwidthPricer, TransferPricer
 
 DEFAULT_SIM_PROFILE = "llama3-8b-h100"
 

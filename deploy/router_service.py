@@ -42,9 +42,9 @@ from scheduler.policy import (
     Placement,
     PolicyContext,
     RequestInfo,
-    TransferPricer,
 )
 from scheduler.prefix_index import PrefixIndex
+from scheduler.pricing import TransferPricer
 from scheduler.registry import PolicyRegistry, default_registry
 from scheduler.router import Router
 from scheduler.state import ClusterState

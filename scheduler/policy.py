@@ -6,13 +6,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from engines.sim.profile import Profile
 from scheduler.app_shapes import AppShapes
 from scheduler.copies import CopySchedule
 from scheduler.estimate_bias import EstimateBias
 from scheduler.prefix_index import PrefixIndex
+from scheduler.pricing import TransferPricer
 from scheduler.state import ClusterState
 from scheduler.workflows import WorkflowRegistry
 
@@ -88,10 +89,6 @@ class Placement:
         if not self.retain:
             return 0.0
         return default if self.retain_s is None else self.retain_s
-
-
-class TransferPricer(Protocol):
-    def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float: ...
 
 
 @dataclass
