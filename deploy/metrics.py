@@ -117,6 +117,9 @@ class WasmaMetrics:
         MetricSpec("wasma_engine_outstanding_requests", "gauge",
                    "Requests the router has sent to an engine that have not finished.",
                    ("engine",)),
+        MetricSpec("wasma_engine_up", "gauge",
+                   "1 while the engine is in the router's rotation, 0 while it is out "
+                   "(failed health check or request failures).", ("engine",)),
         MetricSpec("wasma_engine_running_requests", "gauge",
                    "Requests in the engine's running batch (engine-reported).", ("engine",)),
         MetricSpec("wasma_engine_waiting_requests", "gauge",
@@ -309,20 +312,26 @@ class WasmaMetrics:
         kv_usage: float | None = None,
     ) -> None:
         """Current load of `engine`; None leaves an engine-reported value unchanged."""
+        # Checked before anything is set: a bad report changes nothing.
+        if kv_usage is not None and not 0.0 <= kv_usage <= 1.0:
+            raise ValueError(f"kv_usage is a ratio in [0, 1], got {kv_usage!r}")
         self._gauges["wasma_engine_outstanding_requests"].labels(engine).set(outstanding)
         if running is not None:
             self._gauges["wasma_engine_running_requests"].labels(engine).set(running)
         if waiting is not None:
             self._gauges["wasma_engine_waiting_requests"].labels(engine).set(waiting)
         if kv_usage is not None:
-            if not 0.0 <= kv_usage <= 1.0:
-                raise ValueError(f"kv_usage is a ratio in [0, 1], got {kv_usage!r}")
             self._gauges["wasma_engine_kv_usage_ratio"].labels(engine).set(kv_usage)
 
-    def remove_engine(self, engine: str) -> None:
-        """Forget a departed engine's gauges so dashboards stop showing its last values."""
+    def set_engine_up(self, engine: str, up: bool) -> None:
+        """Whether `engine` is in the router's rotation."""
+        self._gauges["wasma_engine_up"].labels(engine).set(1.0 if up else 0.0)
+
+    def forget_engine_reports(self, engine: str) -> None:
+        """Drop what `engine` last reported of itself (batch, queue, KV usage). An engine
+        out of rotation cannot report, and its last values would otherwise stay on the
+        dashboard as if current; the next stats it sends put them back."""
         for name in (
-            "wasma_engine_outstanding_requests",
             "wasma_engine_running_requests",
             "wasma_engine_waiting_requests",
             "wasma_engine_kv_usage_ratio",

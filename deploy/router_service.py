@@ -455,6 +455,7 @@ class RouterService:
             elif not state.loads[slot].healthy and self.now() >= self._open_until[slot]:
                 log.info("engine %s is back", engine.name)
                 state.set_healthy(slot, True)
+                self.metrics.set_engine_up(engine.name, True)
             if stats is not None:
                 state.on_stats(slot, stats)
                 self._observe_kv_loads(engine.name, stats.kv_loads)
@@ -521,6 +522,8 @@ class RouterService:
             log.warning("engine %s out of rotation: %s", self.engines[slot].name, why)
             state.set_healthy(slot, False)
             self.ctx.index.remove_engine_blocks(self.engines[slot].name)
+            self.metrics.set_engine_up(self.engines[slot].name, False)
+            self.metrics.forget_engine_reports(self.engines[slot].name)
             self.router.retention.engine_lost(slot)
         self._open_until[slot] = max(self._open_until[slot], self.now() + self.breaker_base_s)
         for live in self._live.values():
@@ -1125,6 +1128,7 @@ class RouterService:
         loads = self.ctx.state.loads
         for load in loads:
             self.metrics.set_engine(load.name, outstanding=load.outstanding)
+            self.metrics.set_engine_up(load.name, load.healthy)
         self.metrics.set_queue_depth(self._held_n)
         return self.metrics.render()
 

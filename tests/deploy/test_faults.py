@@ -111,8 +111,19 @@ async def test_streams_cut_by_a_dead_engine_continue_elsewhere(service: RouterSe
     # Its cache is gone from the index; it is out of rotation until it comes back.
     assert service.ctx.index.match(hashes)[slot] == 0
     assert not service.ctx.state.loads[slot].healthy
+    # /metrics says so, and stops showing the load it last reported as if current.
+    page = service.render_metrics()[0].decode()
+    assert f'wasma_engine_up{{engine="{victim}"}} 0.0' in page
+    assert f'wasma_engine_kv_usage_ratio{{engine="{victim}"}}' not in page
     engine.revive()
     await _until(lambda: service.ctx.state.loads[slot].healthy)
+    await _until(
+        lambda: (
+            f'wasma_engine_kv_usage_ratio{{engine="{victim}"}}'
+            in service.render_metrics()[0].decode()
+        )
+    )
+    assert f'wasma_engine_up{{engine="{victim}"}} 1.0' in service.render_metrics()[0].decode()
 
 
 async def test_queued_requests_move_off_a_hung_engine(service: RouterService) -> None:

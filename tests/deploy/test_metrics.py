@@ -278,9 +278,16 @@ def test_transfers_engines_http_queue_admission() -> None:
     assert value(m, "wasma_engine_kv_usage_ratio", engine="e1") == 0.5
     with pytest.raises(ValueError):
         m.set_engine("e1", outstanding=1, kv_usage=50.0)  # a percentage, not a ratio
-    m.remove_engine("e1")
-    m.remove_engine("never-seen")
-    assert value(m, "wasma_engine_outstanding_requests", engine="e1") is None
+    m.set_engine_up("e1", False)
+    m.forget_engine_reports("e1")
+    m.forget_engine_reports("never-seen")
+    # What the engine reported goes; what the router knows stays.
+    assert value(m, "wasma_engine_running_requests", engine="e1") is None
+    assert value(m, "wasma_engine_kv_usage_ratio", engine="e1") is None
+    assert value(m, "wasma_engine_outstanding_requests", engine="e1") == 5.0
+    assert value(m, "wasma_engine_up", engine="e1") == 0.0
+    m.set_engine_up("e1", True)
+    assert value(m, "wasma_engine_up", engine="e1") == 1.0
 
     for code in (200, 200, 429, 1234):
         m.observe_http(code)
