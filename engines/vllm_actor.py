@@ -21,6 +21,7 @@ from engines.base import (
     KVEvent,
     KVEventSink,
     TokenChunk,
+    start_or_close,
 )
 from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -119,7 +120,9 @@ class RayVLLMEngine(EngineClient):
     @classmethod
     async def launch(cls, name: str, config: VLLMEngineConfig, **kwargs: Any) -> RayVLLMEngine:
         engine = cls(name, config, **kwargs)
-        await engine.start()
+        # A failed start kills the actor: left to the handle's garbage collection, it
+        # would hold its Ray CPUs for as long as the exception's traceback lives.
+        await start_or_close(engine, engine.start)
         return engine
 
     async def start(self) -> None:

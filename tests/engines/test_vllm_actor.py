@@ -68,3 +68,22 @@ async def test_ray_engine_streams_hits_and_events(ray_engine: object) -> None:
     t0 = time.monotonic()
     tail = [c async for c in ray_engine.generate(GenerateRequest("ra-4", prompt, 2))]
     assert tail[-1].finished and time.monotonic() - t0 < 5.0
+
+
+async def test_a_failed_launch_kills_its_actor(ray_engine: object, tmp_path: Path) -> None:
+    import ray
+
+    from engines.vllm_actor import RayVLLMEngine
+    from engines.vllm_engine import VLLMEngineConfig
+
+    free = ray.available_resources().get("CPU", 0.0)
+    broken = VLLMEngineConfig(model=f"{tmp_path}/no-such-model")
+    with pytest.raises(Exception) as failed:
+        await RayVLLMEngine.launch("broken", broken)
+    # The traceback (held here) still references the engine and its actor handle: the
+    # actor's CPU comes back only because the failed launch killed it.
+    assert failed.value is not None
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < free:
+        assert time.monotonic() < deadline, ray.available_resources()
+        await asyncio.sleep(0.1)
