@@ -296,7 +296,9 @@ class Gateway:
             if not req.messages:
                 raise ApiError(400, "messages must not be empty", param="messages")
             mt = self._check_common(
-                req, req.max_completion_tokens or req.max_tokens, self.cfg.default_chat_max_tokens
+                req,
+                req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens,
+                self.cfg.default_chat_max_tokens,
             )
             msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
             try:

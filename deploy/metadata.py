@@ -87,6 +87,8 @@ def _deadline(value: Any, param: str, scale: float) -> float | None:
         secs = float(value) * scale
     except (TypeError, ValueError):
         raise MetadataError(f"{param} must be a number", param) from None
+    except OverflowError:  # an integer too large for a float
+        secs = math.inf
     if isinstance(value, bool) or not math.isfinite(secs) or not 0 < secs <= MAX_DEADLINE_S:
         raise MetadataError(f"{param} must be a positive number (at most a week)", param)
     return secs
@@ -99,7 +101,7 @@ def _priority(value: Any, param: str) -> int | None:
         raise MetadataError(f"{param} must be an integer", param)
     try:
         prio = int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # "x", NaN; an infinite float
         raise MetadataError(f"{param} must be an integer", param) from None
     if abs(prio) > 1_000_000_000:
         raise MetadataError(f"{param} is out of range", param)

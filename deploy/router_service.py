@@ -457,6 +457,12 @@ class RouterService:
                 state.set_healthy(slot, True)
                 self.metrics.set_engine_up(engine.name, True)
             if stats is not None:
+                kv = stats.kv_usage
+                # An engine's own report, possibly NaN or out of range over HTTP: the
+                # policy and the gauge take a fraction in [0, 1].
+                kv = min(max(kv, 0.0), 1.0) if math.isfinite(kv) else 0.0
+                if kv != stats.kv_usage:
+                    stats = replace(stats, kv_usage=kv)
                 state.on_stats(slot, stats)
                 self._observe_kv_loads(engine.name, stats.kv_loads)
             load = state.loads[slot]
@@ -465,7 +471,7 @@ class RouterService:
                 outstanding=load.outstanding,
                 running=None if stats is None else stats.num_running,
                 waiting=None if stats is None else stats.num_waiting,
-                kv_usage=None if stats is None else min(max(stats.kv_usage, 0.0), 1.0),
+                kv_usage=None if stats is None else stats.kv_usage,
             )
 
         await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines)))
@@ -485,8 +491,13 @@ class RouterService:
     async def _poll_engines(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
-            self._check_stalls()
-            await self._refresh_engines()
+            try:
+                self._check_stalls()
+                await self._refresh_engines()
+            except Exception:
+                # The poller is what finds stalled requests and brings engines back: one
+                # bad report must not end it for the life of the service.
+                log.exception("engine poll failed; polling goes on")
 
     def _check_stalls(self) -> None:
         now = self.now()
@@ -575,7 +586,7 @@ class RouterService:
         if wst is None:
             deadline = ident.deadline_s if ident.deadline_s is not None else math.inf
             wst = registry.ensure(wkey, ident.app or "default", now, deadline)
-        if wst.workflow is None:
+        if wst.workflow is None and ident.workflow_id is not None:
             entry = self._open_wf.setdefault(wkey, [0, now])
             entry[0] += 1
             entry[1] = now
@@ -813,7 +824,8 @@ class RouterService:
                 block_hashes=hash_token_blocks(prompt, self.block_size),
             )
             try:
-                placement = self.router.route(info, self.now())
+                # Half-streamed already: it cannot wait at the router like new work.
+                placement = self.router.route(info, self.now(), force=True)
             except NoHealthyEngine:
                 raise Unavailable("no healthy engine can take the request", None, 2.0) from None
             log.info(
@@ -968,6 +980,11 @@ class RouterService:
             )
 
     def _release_open(self, wkey: str, now: float) -> None:
+        if wkey.startswith("~"):
+            # A request without workflow metadata that never went live (held, then its
+            # client left): its one-node workflow goes with it.
+            self.ctx.workflows.active.pop(wkey, None)
+            return
         entry = self._open_wf.get(wkey)
         if entry is not None:
             entry[0] -= 1

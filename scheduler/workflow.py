@@ -8,6 +8,7 @@ tell which requests will share which KV cache before any of them runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -359,10 +360,9 @@ def _check_tokens(value: Any, where: str) -> None:
 
 
 def _finite_nonneg(x: Any) -> bool:
-    return (
-        isinstance(x, int | float)
-        and not isinstance(x, bool)
-        and x == x
-        and x not in (float("inf"),)
-        and x >= 0
-    )
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x) and x >= 0
+    except OverflowError:  # an int too large for a float (JSON allows any)
+        return False

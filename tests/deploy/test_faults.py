@@ -7,7 +7,9 @@ In-process `RouterService` tests drive `SimEngine`'s fault hooks (`kill`, `hang`
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,8 @@ from engines.base import (
 )
 from engines.sim.profile import load_profile
 from engines.sim_engine import SimEngine
+from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from scheduler.registry import PolicyRegistry
 from scheduler.tokens import hash_token_blocks
 from scheduler.workflow import Workflow
 
@@ -211,6 +215,78 @@ async def test_engines_that_look_healthy_but_fail(mode: str) -> None:
         assert not svc.ctx.state.loads[0].healthy and svc.failed == 0
     finally:
         await svc.close()
+
+
+class _NaNStats(SimEngine):
+    """A simulated engine whose stats report a KV usage of NaN (as a remote server's
+    /metrics may)."""
+
+    async def stats(self) -> EngineStats:
+        return replace(await super().stats(), kv_usage=math.nan)
+
+
+async def test_a_nan_kv_usage_report_neither_stops_the_poller_nor_reaches_the_gauge() -> None:
+    profile = load_profile("llama3-8b-h100")
+    engines: list[EngineClient] = [_NaNStats("nan", profile, speed=20.0), *_engines(1)]
+    svc = RouterService(engines, profile, policy="least_loaded", **FAST)
+    await svc.start()
+    try:
+        await _until(lambda: 'wasma_engine_kv_usage_ratio{engine="nan"} 0.0' in _page(svc))
+        assert svc.ctx.state.loads[0].reported_kv_usage == 0.0
+        # The poller still runs: it notices the other engine die.
+        victim = svc.engines[1]
+        assert isinstance(victim, SimEngine)
+        victim.kill()
+        await _until(lambda: not svc.ctx.state.loads[1].healthy)
+    finally:
+        await svc.close()
+
+
+def _page(svc: RouterService) -> str:
+    return svc.render_metrics()[0].decode()
+
+
+class _HoldsOnTheFirstHealthy(Policy):
+    """Asks to hold every request, on the first engine in rotation."""
+
+    name = "holds_on_the_first_healthy"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        return Placement(self.healthy_slots()[0], PlacementKind.RECOMPUTE, defer=True)
+
+
+async def test_a_failover_is_charged_to_its_new_engine_even_where_the_policy_would_hold() -> None:
+    reg = PolicyRegistry()
+    reg.register(_HoldsOnTheFirstHealthy.name, _HoldsOnTheFirstHealthy)
+    profile = load_profile("llama3-8b-h100")
+    svc = RouterService(
+        _engines(2), profile, policy=_HoldsOnTheFirstHealthy.name, registry=reg, **FAST
+    )
+    await svc.start()
+    try:
+        stream = await svc.open(_req(1))  # held, then let through: nothing else runs
+        assert stream.engine == "s0"
+        got = list((await stream.__anext__()).token_ids)
+        first = svc.engines[0]
+        assert isinstance(first, SimEngine)
+        first.kill()
+        got.extend((await stream.__anext__()).token_ids)  # resumed on s1
+        assert stream.resumed and stream.engine == "s1"
+        # Half-streamed work cannot wait at the router: it runs, and it is counted.
+        assert svc.ctx.state.loads[1].outstanding == 1
+        assert await _drain(stream, got) == "length" and len(got) == 120
+        assert svc.ctx.state.loads[1].outstanding == 0 and svc.completed == 1
+    finally:
+        await svc.close()
+
+
+async def test_requests_without_workflow_metadata_leave_no_workflow_behind(
+    service: RouterService,
+) -> None:
+    await asyncio.gather(*(service.complete(_req(i, max_tokens=4)) for i in range(5)))
+    assert service.completed == 5
+    assert not service.ctx.workflows.active
+    assert not service._open_wf  # nothing for the idle sweep to keep visiting
 
 
 # -- chaos: kill one of three engines behind a live gateway during a replay ------------

@@ -291,6 +291,30 @@ def test_missing_or_wrong_api_key_is_401(server: ServerThread) -> None:
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, None),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "metadata": {"wasma_workflow_id": "w", "wasma_deadline_ms": 10**400}},
+            400,
+            "metadata.wasma_deadline_ms",
+        ),
+        (
+            "/v1/workflows",
+            {
+                "workflow_id": "w",
+                "deadline_s": 10**400,
+                "nodes": [
+                    {"id": "a", "parents": [], "output_tokens": 4, "prompt": [{"unique": 8}]}
+                ],
+            },
+            400,
+            None,
+        ),
         ("/v1/workflows", {"workflow_id": "w", "nodes": []}, 400, None),
         (
             "/v1/workflows",

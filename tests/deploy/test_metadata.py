@@ -158,6 +158,22 @@ def test_every_convention_at_once_agrees() -> None:
             "vllm_xargs.agentic_context.priority",
         ),
         ({"x-session-id": "bad\x00id"}, {}, "x-session-id"),
+        # Numbers JSON allows that a float cannot hold, or an int cannot take.
+        (
+            {},
+            {"metadata": {"wasma_workflow_id": "w", "wasma_deadline_ms": 10**400}},
+            "metadata.wasma_deadline_ms",
+        ),
+        (
+            {},
+            {"vllm_xargs": {"agentic_context": {"program_id": "p", "deadline": 10**400}}},
+            "vllm_xargs.agentic_context.deadline",
+        ),
+        (
+            {},
+            {"vllm_xargs": {"agentic_context": {"program_id": "p", "priority": 1e400}}},
+            "vllm_xargs.agentic_context.priority",
+        ),
     ],
 )
 def test_bad_metadata_is_a_client_error(
