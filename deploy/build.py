@@ -200,21 +200,32 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
     kv_blocks = getattr(engines[0], "num_kv_blocks", None)
     if isinstance(kv_blocks, int) and kv_blocks > 0:
         profile = replace(profile, num_kv_blocks=kv_blocks)
-    service = RouterService(
-        engines,
-        profile,
-        policy=cfg.policy,
-        params=cfg.params,
-        metrics=metrics,
-        max_outstanding=cfg.max_outstanding,
-        request_timeout_s=cfg.request_timeout_s,
-        health_timeout_s=cfg.health_timeout_s,
-        max_failovers=cfg.max_failovers,
-        retain_lease_s=cfg.retain_lease_s,
-        journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
-        pricer=transfer_pricer(cfg, engines),
-    )
-    await service.start()
+    service: RouterService | None = None
+    try:
+        service = RouterService(
+            engines,
+            profile,
+            policy=cfg.policy,
+            params=cfg.params,
+            metrics=metrics,
+            max_outstanding=cfg.max_outstanding,
+            request_timeout_s=cfg.request_timeout_s,
+            health_timeout_s=cfg.health_timeout_s,
+            max_failovers=cfg.max_failovers,
+            retain_lease_s=cfg.retain_lease_s,
+            journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
+            pricer=transfer_pricer(cfg, engines),
+        )
+        await service.start()
+    except BaseException:
+        # The engines are up (processes, KV pools, Ray actors): a service that cannot
+        # start around them (an unreadable journal, engines disagreeing on block size)
+        # must not leave them running.
+        if service is not None:
+            await service.close()
+        else:
+            await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        raise
     return service
 
 

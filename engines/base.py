@@ -179,8 +179,20 @@ async def start_or_close(engine: EngineClient, start: Callable[[], Awaitable[Non
 async def launch_all(launches: Iterable[Awaitable[E]]) -> list[E]:
     """Await engine launches together. If any fails, the ones that started are closed
     before the first failure is raised: a setup that fails halfway leaves no engine
-    process (and its KV pool) running behind it."""
-    results = await asyncio.gather(*launches, return_exceptions=True)
+    process (and its KV pool) running behind it. The same holds if the caller is
+    cancelled while they start (a startup timeout, Ctrl-C)."""
+    tasks = [asyncio.ensure_future(launch) for launch in launches]
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        # Cancelled: gather cancelled the launches still running, and each closes what
+        # it opened (`start_or_close`); the ones that had finished are closed here.
+        await asyncio.wait(tasks)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(Exception):
+                    await task.result().close()
+        raise
     started = [r for r in results if not isinstance(r, BaseException)]
     failed = [r for r in results if isinstance(r, BaseException)]
     if not failed:

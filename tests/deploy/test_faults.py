@@ -536,3 +536,21 @@ def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -
             assert httpx.get(srv.url + "/v1/workflows/w").json()["status"] == "finished"
     finally:
         ray.shutdown()
+
+
+async def test_a_service_that_cannot_start_closes_the_engines_it_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deploy import build
+
+    launched = _engines(2)
+
+    async def engines_up(cfg: build.ServiceConfig, profile: Any) -> list[SimEngine]:
+        return launched
+
+    monkeypatch.setattr(build, "build_engines", engines_up)
+    # A journal path that is a directory: the service cannot open it.
+    cfg = build.ServiceConfig(engines=build.EngineSpec.parse("sim:2"), journal=str(tmp_path))
+    with pytest.raises(OSError):
+        await build.build_service(cfg)
+    assert not any([await e.healthy() for e in launched])

@@ -186,3 +186,25 @@ async def test_launch_all_closes_the_engines_that_started_when_one_fails() -> No
         await launch_all([up(started[0]), up(started[1]), broken()])
     # No engine is left running behind the failed setup.
     assert not any([await e.healthy() for e in started])
+
+
+async def test_launch_all_closes_the_engines_that_started_when_it_is_cancelled() -> None:
+    from engines.base import launch_all
+
+    profile = load_profile("tiny-cpu")
+    fast = SimEngine("fast", profile)
+
+    async def up() -> SimEngine:
+        return fast
+
+    async def slow() -> SimEngine:
+        await asyncio.sleep(60)
+        raise AssertionError("never reached")
+
+    launching = asyncio.create_task(launch_all([up(), slow()]))
+    await asyncio.sleep(0.05)
+    assert await fast.healthy()
+    launching.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await launching
+    assert not await fast.healthy()
