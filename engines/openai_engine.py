@@ -30,6 +30,7 @@ from engines.base import (
     EngineClient,
     EngineStats,
     GenerateRequest,
+    KVEvent,
     KVEventSink,
     TokenChunk,
     start_or_close,
@@ -179,6 +180,7 @@ class OpenAIEngine(EngineClient):
         self._headers = headers
         self._sinks: list[KVEventSink] = []
         self._translator = KVEventTranslator(name, self.block_size)
+        self._kv_seq: int | None = None  # the last KV event batch's sequence number
         self._metric_prefixes = _metric_prefixes()
         self._last: VllmMetrics | None = None
         self._last_ok = 0.0
@@ -309,14 +311,31 @@ class OpenAIEngine(EngineClient):
     def subscribe_kv_events(self, sink: KVEventSink) -> None:
         self._sinks.append(sink)
 
-    def handle_kv_payload(self, payload: bytes) -> None:
-        """Decode one published batch and hand its translated events to the sinks."""
+    def handle_kv_payload(self, payload: bytes, seq: int | None = None) -> None:
+        """Decode one published batch and hand its translated events to the sinks.
+        `seq` is the batch's sequence number where the publisher sends one."""
         batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        if seq is not None:
+            if self._kv_seq is not None and seq <= self._kv_seq:
+                # Numbering went back: the server restarted (ZMQ reconnected by itself)
+                # with an empty cache, and never sent removals for the blocks it had.
+                # Without this its blocks would look cached twice, and the same blocks
+                # stored again would be taken for second copies and never announced.
+                log.info("engine %s: KV events restarted at %d; cache cleared", self.name, seq)
+                self._deliver(self._translator.clear())
+            self._kv_seq = seq
         for event in batch.events:
             self.events_received += 1
-            for out in self._translator.translate(event):
-                for sink in self._sinks:
-                    sink(out)
+            self._deliver(self._translator.translate(event))
+
+    def _deliver(self, events: list[KVEvent]) -> None:
+        for ev in events:
+            for sink in self._sinks:
+                try:
+                    sink(ev)
+                except Exception:
+                    # One broken consumer must not stop the others' events, or the loop.
+                    log.exception("engine %s: KV event sink failed", self.name)
 
     async def _kv_loop(self, endpoint: str) -> None:
         import zmq
@@ -331,8 +350,9 @@ class OpenAIEngine(EngineClient):
             while True:
                 frames = await sock.recv_multipart()
                 # (topic, sequence number, payload); older publishers send (topic, payload).
+                seq = int.from_bytes(frames[1], "big") if len(frames) >= 3 else None
                 try:
-                    self.handle_kv_payload(frames[-1])
+                    self.handle_kv_payload(frames[-1], seq)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("engine %s: undecodable KV event batch: %s", self.name, exc)
         finally:

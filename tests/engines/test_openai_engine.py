@@ -12,7 +12,14 @@ import httpx
 import msgspec
 import pytest
 
-from engines.base import BlockRemoved, BlockStored, GenerateRequest, KVEvent, TokenChunk
+from engines.base import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GenerateRequest,
+    KVEvent,
+    TokenChunk,
+)
 from engines.openai_engine import (
     BlockRemoved as WireRemoved,
 )
@@ -217,6 +224,44 @@ async def test_kv_events_are_rekeyed_by_router_chain_hashes() -> None:
         engine.handle_kv_payload(_payload([WireRemoved(block_hashes=[b"h3"])]))
         removed = [e for e in got if isinstance(e, BlockRemoved)]
         assert removed == [BlockRemoved("r0", (want[2],))]
+    finally:
+        await engine.close()
+
+
+async def test_a_restarted_server_numbering_its_events_again_clears_its_blocks() -> None:
+    engine = await _engine(FakeVLLM())
+    got: list[KVEvent] = []
+    engine.subscribe_kv_events(got.append)
+    try:
+        tokens = list(range(900, 900 + BS))
+        want = tuple(hash_token_blocks(tokens, BS))
+        engine.handle_kv_payload(_payload([_stored([b"h1"], None, tokens)]), seq=0)
+        engine.handle_kv_payload(_payload([_stored([b"h9"], None, tokens[::-1])]), seq=1)
+        got.clear()
+        # The server restarts (no removals sent) and caches the same prompt again, under
+        # the same engine hash: the router must hear the restart and the block, again.
+        engine.handle_kv_payload(_payload([_stored([b"h1"], None, tokens)]), seq=0)
+        assert got == [AllBlocksCleared("r0"), BlockStored("r0", want, None)]
+        got.clear()
+        engine.handle_kv_payload(_payload([WireRemoved(block_hashes=[b"h1"])]), seq=1)
+        assert got == [BlockRemoved("r0", want)]
+    finally:
+        await engine.close()
+
+
+async def test_a_failing_sink_does_not_starve_the_others() -> None:
+    engine = await _engine(FakeVLLM())
+    got: list[KVEvent] = []
+
+    def broken(event: KVEvent) -> None:
+        raise RuntimeError("consumer bug")
+
+    engine.subscribe_kv_events(broken)
+    engine.subscribe_kv_events(got.append)
+    try:
+        tokens = list(range(950, 950 + BS))
+        engine.handle_kv_payload(_payload([_stored([b"h1"], None, tokens)]))
+        assert got == [BlockStored("r0", tuple(hash_token_blocks(tokens, BS)), None)]
     finally:
         await engine.close()
 
