@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -51,6 +51,7 @@ from deploy.router_service import ServiceError, ServiceRequest, tenant_of
 from deploy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RouterFactory = Callable[[], Awaitable[RouterClient]]
 # A tokenizer reporting this vocabulary does not know it (remote engines, token ids only).
@@ -268,10 +269,13 @@ class Gateway:
             body = await _read_body(scope, receive, self.cfg.max_body_bytes)
             sreq, req = await self._parse(scope, body, chat)
             if not req.stream:
-                await self._complete_or_cancel(receive, send, sreq, req, chat)
+                await self._unless_gone(receive, self._complete(send, sreq, req, chat))
             else:
-                tstream = await self.router.open(sreq)
-                await self._stream(receive, send, tstream, sreq, chat, req)
+                # Opening may wait (a request held at the router, a prefill queue): a
+                # client that leaves meanwhile takes its request with it.
+                tstream = await self._unless_gone(receive, self.router.open(sreq))
+                if tstream is not None:
+                    await self._stream(receive, send, tstream, sreq, chat, req)
         except ApiError as exc:
             await _send_error(send, exc)
         except ServiceError as exc:
@@ -418,11 +422,10 @@ class Gateway:
             raise ApiError(400, f"at most {cfg.max_stop} stop token ids", param="stop_token_ids")
 
     # -- responses -------------------------------------------------------------------
-    async def _complete_or_cancel(
-        self, receive: Receive, send: Send, sreq: ServiceRequest, req: Any, chat: bool
-    ) -> None:
-        """`_complete`, cancelled if the client disconnects. Most requests finish within
-        the grace period, so they never pay for a disconnect watcher (a timer only)."""
+    async def _unless_gone(self, receive: Receive, work: Awaitable[T]) -> T | None:
+        """`work`, cancelled if the client disconnects first (then None). Most requests
+        finish within the grace period, so they never pay for a disconnect watcher (a
+        timer only)."""
         task = asyncio.current_task()
         assert task is not None
         left = False
@@ -440,15 +443,17 @@ class Gateway:
 
         timer = asyncio.get_running_loop().call_later(self.DISCONNECT_GRACE_S, start_watching)
         try:
-            await self._complete(send, sreq, req, chat)
+            result = await work
         except asyncio.CancelledError:
             if not left:
                 raise
             task.uncancel()
+            return None
         finally:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
+        return result
 
     async def _complete(self, send: Send, sreq: ServiceRequest, req: Any, chat: bool) -> None:
         res = await self.router.complete(sreq)

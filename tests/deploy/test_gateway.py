@@ -24,6 +24,8 @@ from deploy.tokenizer import ByteTokenizer
 from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
 from engines.sim.profile import load_profile
 from engines.sim_engine import SimEngine
+from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from scheduler.registry import PolicyRegistry
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 MODEL = "wasma-sim"
@@ -428,6 +430,41 @@ def test_all_engines_down_is_a_fast_503_with_retry_after() -> None:
         assert err["type"] == "service_unavailable_error"
         assert int(resp.headers["retry-after"]) >= 1
         assert httpx.get(srv.url + "/health").status_code == 503
+
+
+class _HoldsEverything(Policy):
+    """Asks to hold every request: each runs only once nothing else does."""
+
+    name = "holds_everything"
+
+    def place(self, req: RequestInfo, now: float) -> Placement:
+        return Placement(engine=0, kind=PlacementKind.RECOMPUTE, defer=True)
+
+
+def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -> None:
+    profile = load_profile("llama3-8b-h100")
+    reg = PolicyRegistry()
+    reg.register(_HoldsEverything.name, _HoldsEverything)
+
+    async def factory() -> RouterClient:
+        engines: list[EngineClient] = [SimEngine("s0", profile)]
+        service = RouterService(engines, profile, policy=_HoldsEverything.name, registry=reg)
+        await service.start()
+        return LocalRouterClient(service)
+
+    app = create_app(factory, ByteTokenizer(), GatewayConfig(model_names=(MODEL,)))
+    with ServerThread(app) as srv:
+        long = {"prompt": [7] * 32, "max_tokens": 60_000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=long) as running:
+            chunks = running.iter_bytes()  # kept: a dropped iterator closes the stream
+            next(chunks)  # runs: nothing else did
+            body = {"prompt": [8] * 32, "max_tokens": 4, "stream": True}
+            with pytest.raises(httpx.ReadTimeout):  # held behind it; the client gives up
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
+            _wait(lambda: httpx.get(srv.url + "/health").json()["held"] == 0)
+            health = httpx.get(srv.url + "/health").json()
+            # The long one still runs; the one that left never went live.
+            assert health["outstanding"] == 1 and health["held_total"] == 1
 
 
 def test_past_the_admission_limit_is_429_with_retry_after() -> None:
