@@ -178,15 +178,22 @@ class RayVLLMEngine(EngineClient):
             )
 
     async def _poll(self) -> None:
+        failing = False
         while True:
             try:
                 events = await self._actor.poll_kv_events.remote(self._poll_wait_s)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("engine %s: polling KV events failed; retrying", self.name)
+                # A dead actor fails every poll: say so once, not every second.
+                if not failing:
+                    log.exception("engine %s: polling KV events failed; retrying", self.name)
+                failing = True
                 await asyncio.sleep(1.0)
                 continue
+            if failing:
+                log.info("engine %s: polling KV events works again", self.name)
+                failing = False
             for ev in events:
                 for sink in self._sinks:
                     try:

@@ -384,8 +384,14 @@ class VLLMEngine(EngineClient):
                 await self._events_task
             self._events_task = None
         if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            llm, self._llm = self._llm, None
+            # vLLM's shutdown cancels its output handler before that could tell the
+            # requests in flight: their streams would wait forever. They end with the
+            # error vLLM itself raises when its engine dies.
+            llm.output_processor.propagate_error(EngineDeadError())
+            llm.shutdown()
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None

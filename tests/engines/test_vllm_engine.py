@@ -181,3 +181,24 @@ async def test_a_failed_start_closes_its_kv_event_socket(tmp_path: object) -> No
     # collection to block on (an open socket makes a zmq context's term() wait forever).
     assert engine._zmq is None and engine._sub is None and engine._events_task is None
     assert not await engine.healthy()
+
+
+async def test_closing_an_engine_ends_the_streams_in_flight(tiny_model_dir: object) -> None:
+    from engines.vllm_engine import VLLMEngineConfig
+
+    engine = await VLLMEngine.launch("closing", VLLMEngineConfig(model=str(tiny_model_dir)))
+    try:
+        prompt = _prompt(11, 40, engine.vocab_size)
+        stream = engine.generate(GenerateRequest("cl-1", prompt, 1800, ignore_eos=True))
+        got = len((await stream.__anext__()).token_ids)
+        await engine.close()
+        # The stream ends, with vLLM's engine-dead error, instead of waiting forever for
+        # output from an engine that is gone (the guard only bounds a regression).
+        with pytest.raises(Exception) as ended:
+            async with asyncio.timeout(120):
+                async for chunk in stream:
+                    got += len(chunk.token_ids)
+        assert type(ended.value).__name__ == "EngineDeadError", repr(ended.value)
+        assert got < 1800
+    finally:
+        await engine.close()
