@@ -218,6 +218,12 @@ class PeerError(RuntimeError):
 
 def query(address: str, keys: Sequence[str], timeout_s: float = 5.0) -> int:
     """Leading blocks of `keys` the peer at host:port holds (0 when unreachable)."""
+    return try_query(address, keys, timeout_s) or 0
+
+
+def try_query(address: str, keys: Sequence[str], timeout_s: float = 5.0) -> int | None:
+    """Leading blocks of `keys` the peer at host:port holds; None when it cannot be
+    asked (unreachable, or it answered nonsense)."""
     if not keys:
         return 0
     try:
@@ -225,7 +231,30 @@ def query(address: str, keys: Sequence[str], timeout_s: float = 5.0) -> int:
             _write_json(conn, {"op": "query", "keys": list(keys)})
             return int(_read_json(conn).get("blocks", 0))
     except (OSError, ValueError):
-        return 0
+        return None
+
+
+class PeerBackoff:
+    """Peers that could not be asked lately, skipped for `retry_s`: a query runs on
+    vLLM's scheduler thread, once a pass for every waiting request naming a peer, so a
+    peer whose host stopped answering would otherwise stall the engine a connect
+    timeout at a time."""
+
+    def __init__(self, retry_s: float = 10.0) -> None:
+        self.retry_s = retry_s
+        self._until: dict[str, float] = {}
+
+    def skip(self, peer: str, now: float) -> bool:
+        until = self._until.get(peer)
+        if until is None:
+            return False
+        if now >= until:
+            del self._until[peer]
+            return False
+        return True
+
+    def failed(self, peer: str, now: float) -> None:
+        self._until[peer] = now + self.retry_s
 
 
 def fetch(address: str, key: str, first: int, timeout_s: float = 30.0) -> Iterator[LayerBlocks]:

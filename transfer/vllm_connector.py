@@ -45,12 +45,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from transfer.kv_peer import (
     LayerBlocks,
+    PeerBackoff,
     PeerError,
     PeerServer,
     PeerStore,
     block_keys,
     fetch,
-    query,
+    try_query,
 )
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ class WasmaPeerConnector(KVConnectorBase_V1):
         # Requests whose load failed: vLLM retries them from scratch, and they must not go
         # back to the same peer (it would fail again, forever).
         self._failed_reqs: set[str] = set()
+        self._unreachable = PeerBackoff()
         self._published: OrderedDict[str, None] = OrderedDict()
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -237,7 +239,14 @@ class WasmaPeerConnector(KVConnectorBase_V1):
         # Leave at least one prompt token to compute: the model must produce logits.
         usable = (len(tokens) - 1) // self._block_size
         keys = block_keys(tokens[: usable * self._block_size], self._block_size)
-        held = query(str(peer), keys)
+        now = time.monotonic()
+        if self._unreachable.skip(str(peer), now):
+            return 0, False
+        held = try_query(str(peer), keys)
+        if held is None:
+            logger.warning("wasma KV peer %s cannot be asked; computing instead", peer)
+            self._unreachable.failed(str(peer), now)
+            return 0, False
         if held * self._block_size <= num_computed_tokens:
             return 0, False
         mode = str(params.get(MODE_PARAM, self._mode))

@@ -4,6 +4,7 @@ import pytest
 
 from transfer.kv_peer import (
     LayerBlocks,
+    PeerBackoff,
     PeerError,
     PeerServer,
     PeerStore,
@@ -11,6 +12,7 @@ from transfer.kv_peer import (
     fetch,
     query,
     set_fault,
+    try_query,
 )
 
 
@@ -72,6 +74,7 @@ def test_server_round_trip_and_faults() -> None:
     finally:
         server.close()
     assert query(server.address, keys) == 0  # a dead peer holds nothing
+    assert try_query(server.address, keys) is None  # ...and cannot be asked
     with pytest.raises(PeerError, match="cannot reach"):
         list(fetch(server.address, keys[0], first=0))
 
@@ -83,3 +86,13 @@ def test_fault_injection_is_off_by_default() -> None:
             set_fault(server.address, "corrupt")
     finally:
         server.close()
+
+
+def test_an_unreachable_peer_is_skipped_for_a_while_then_asked_again() -> None:
+    backoff = PeerBackoff(retry_s=10.0)
+    assert not backoff.skip("a:1", 0.0)
+    backoff.failed("a:1", 100.0)
+    assert backoff.skip("a:1", 100.0) and backoff.skip("a:1", 109.9)
+    assert not backoff.skip("b:1", 105.0)  # other peers are asked as usual
+    assert not backoff.skip("a:1", 110.0)  # its time is up: asked again
+    assert not backoff.skip("a:1", 110.1)
