@@ -420,6 +420,13 @@ class Gateway:
             raise ApiError(400, f"at most {cfg.max_stop} stop strings", param="stop")
         if req.stop_token_ids is not None and len(req.stop_token_ids) > cfg.max_stop:
             raise ApiError(400, f"at most {cfg.max_stop} stop token ids", param="stop_token_ids")
+        # Values an engine cannot take would fail there, and an engine failing a request
+        # is taken out of rotation: they are the client's error, caught here.
+        vocab = self.tok.vocab_size
+        if req.stop_token_ids and not all(0 <= t < vocab for t in req.stop_token_ids):
+            raise ApiError(400, f"stop token ids must be in [0, {vocab})", param="stop_token_ids")
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+            raise ApiError(400, "seed must fit in a signed 64-bit integer", param="seed")
 
     # -- responses -------------------------------------------------------------------
     async def _unless_gone(self, receive: Receive, work: Awaitable[T]) -> T | None:
