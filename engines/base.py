@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,17 @@ MAX_RETAIN_S = 3600.0
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KVEventSink = Callable[[KVEvent], None]
+
+
+def deliver_kv_events(engine: str, sinks: Sequence[KVEventSink], events: Iterable[KVEvent]) -> None:
+    """Hand each event to every sink. One broken consumer must not stop the others'
+    events, nor the loop that reads them from the engine."""
+    for ev in events:
+        for sink in sinks:
+            try:
+                sink(ev)
+            except Exception:
+                log.exception("engine %s: KV event sink failed", engine)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from engines.base import (
     KVEvent,
     KVEventSink,
     TokenChunk,
+    deliver_kv_events,
     start_or_close,
 )
 from engines.vllm_engine import KVEventTranslator
@@ -329,13 +330,7 @@ class OpenAIEngine(EngineClient):
             self._deliver(self._translator.translate(event))
 
     def _deliver(self, events: list[KVEvent]) -> None:
-        for ev in events:
-            for sink in self._sinks:
-                try:
-                    sink(ev)
-                except Exception:
-                    # One broken consumer must not stop the others' events, or the loop.
-                    log.exception("engine %s: KV event sink failed", self.name)
+        deliver_kv_events(self.name, self._sinks, events)
 
     async def _kv_loop(self, endpoint: str) -> None:
         import zmq

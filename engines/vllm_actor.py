@@ -21,6 +21,7 @@ from engines.base import (
     KVEvent,
     KVEventSink,
     TokenChunk,
+    deliver_kv_events,
     start_or_close,
 )
 from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -194,12 +195,7 @@ class RayVLLMEngine(EngineClient):
             if failing:
                 log.info("engine %s: polling KV events works again", self.name)
                 failing = False
-            for ev in events:
-                for sink in self._sinks:
-                    try:
-                        sink(ev)
-                    except Exception:
-                        log.exception("engine %s: KV event sink failed", self.name)
+            deliver_kv_events(self.name, self._sinks, events)
 
     async def close(self) -> None:
         import ray

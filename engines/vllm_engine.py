@@ -38,6 +38,7 @@ from engines.base import (
     KVEvent,
     KVEventSink,
     TokenChunk,
+    deliver_kv_events,
     start_or_close,
 )
 from scheduler.tokens import ROOT_HASH, hash_token_blocks
@@ -505,10 +506,4 @@ class VLLMEngine(EngineClient):
                 self._deliver(self._translator.translate(raw))
 
     def _deliver(self, events: list[KVEvent]) -> None:
-        for ev in events:
-            for sink in self._sinks:
-                try:
-                    sink(ev)
-                except Exception:
-                    # One broken consumer must not stop the others' events.
-                    log.exception("engine %s: KV event sink failed", self.name)
+        deliver_kv_events(self.name, self._sinks, events)
