@@ -79,13 +79,16 @@ class ServiceConfig:
     # host the peers talk over loopback TCP).
     kv_transfer: bool = False
     kv_transfer_Bps: float = 1e9
-    # Fault handling (deploy/RELIABILITY.md): the journal of registered workflows that a
+    # Fault handling (README.md, "Reliability"): the journal of registered workflows that a
     # restarted router replays, engine timeouts, and how often Ray restarts the router.
     journal: str | None = None
     request_timeout_s: float = 60.0
     health_timeout_s: float = 5.0
     max_failovers: int = 3
     router_max_restarts: int = 3
+    # The longest a request waits at the router (deadline-aware admission) before it is
+    # dispatched anyway.
+    max_hold_s: float = 300.0
     # How long engines keep the KV of a request the policy marks `retain` (a lease).
     retain_lease_s: float = DEFAULT_RETAIN_S
 
@@ -212,6 +215,7 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
             request_timeout_s=cfg.request_timeout_s,
             health_timeout_s=cfg.health_timeout_s,
             max_failovers=cfg.max_failovers,
+            max_hold_s=cfg.max_hold_s,
             retain_lease_s=cfg.retain_lease_s,
             journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
             pricer=transfer_pricer(cfg, engines),

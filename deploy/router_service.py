@@ -283,6 +283,7 @@ class RouterService:
         journal: WorkflowJournal | None = None,
         calibration: CalibrationConfig | bool | None = None,
         held_recheck_s: float = 0.5,
+        max_hold_s: float = 300.0,
         retain_lease_s: float = DEFAULT_RETAIN_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -362,6 +363,12 @@ class RouterService:
         self._held_ids: set[str] = set()
         self.held_total = 0  # requests that waited at the router before going live
         self.held_recheck_s = held_recheck_s
+        # A held request goes through after this long even while engines are busy: its
+        # client is waiting on an open connection, and would otherwise time out on work
+        # that was accepted (a hopeless workflow can be held as long as overload lasts).
+        if not max_hold_s > 0:
+            raise ValueError(f"max_hold_s must be > 0, got {max_hold_s!r}")
+        self.max_hold_s = max_hold_s
         # How long after it finishes an engine keeps the KV of a request the policy marks
         # `retain`, when the policy does not size the lease itself (`Placement.retain_s`).
         # A lease lapses by itself if the router goes away. The simulator keeps the same.
@@ -644,7 +651,8 @@ class RouterService:
         A held request is offered again, most urgent (lowest priority value) first,
         whenever a request finishes and at least every `held_recheck_s`; one admitted
         offers the next in line. Held work is accepted work: it is dispatched at the
-        latest when no engine has anything left to run (nothing would free capacity)."""
+        latest when no engine has anything left to run (nothing would free capacity), or
+        once it has waited `max_hold_s`."""
         info = self._prepare(req)
         try:
             live, placement = self._place(req, info)
@@ -654,6 +662,7 @@ class RouterService:
         if live is not None:
             return live, placement
         loop = asyncio.get_running_loop()
+        held_since = self.now()
         self._held_n += 1
         self._held_ids.add(req.request_id)
         self.metrics.set_queue_depth(self._held_n)
@@ -669,7 +678,8 @@ class RouterService:
                 finally:
                     turn.cancel()  # a no-op when it came; dropped lazily from the heap
                 idle = not any(load.outstanding for load in self.ctx.state.loads)
-                live, placement = self._place(req, info, force=idle)
+                overdue = self.now() - held_since >= self.max_hold_s
+                live, placement = self._place(req, info, force=idle or overdue)
             self.held_total += 1
             self._offer_held()
             return live, placement

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
@@ -68,9 +69,9 @@ def load_config_file(path: str | None) -> dict[str, Any]:
     `retain_lease_s` (how long engines keep KV the policy retains), `gateway` (GatewayConfig
     fields),
     `reliability` (ServiceConfig's fault-handling fields: `journal`, `request_timeout_s`,
-    `health_timeout_s`, `max_failovers`, `router_max_restarts`), `calibration` (`false`
-    turns live cost calibration off; a mapping sets CalibrationConfig's fields; applied
-    with `--router-in-process`)."""
+    `health_timeout_s`, `max_failovers`, `router_max_restarts`, `max_hold_s`),
+    `calibration` (`false` turns live cost calibration off; a mapping sets
+    CalibrationConfig's fields; applied with `--router-in-process`)."""
     if not path:
         return {}
     try:
@@ -345,6 +346,7 @@ _RELIABILITY_KEYS = {
     "health_timeout_s": float,
     "max_failovers": int,
     "router_max_restarts": int,
+    "max_hold_s": float,
 }
 
 
@@ -364,9 +366,13 @@ def _reliability(data: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(data, Mapping) or set(data) - set(_RELIABILITY_KEYS):
         raise ConfigError(f"--config reliability: known keys are {sorted(_RELIABILITY_KEYS)}")
     try:
-        return {k: _RELIABILITY_KEYS[k](v) for k, v in data.items()}
+        out = {k: _RELIABILITY_KEYS[k](v) for k, v in data.items()}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"--config reliability: {exc}") from None
+    for key, value in out.items():
+        if key.endswith("_s") and not (isinstance(value, float) and 0 < value < math.inf):
+            raise ConfigError(f"--config reliability.{key}: expected seconds > 0, got {value!r}")
+    return out
 
 
 def _server(

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks.kv_pressure import pressure_profile
 from deploy.metadata import WorkflowIdentity
 from deploy.router_service import BadRequest, RouterService, ServiceRequest
@@ -51,7 +53,7 @@ async def _background(
     return tasks
 
 
-def _holding_service(speed: float, recheck_s: float) -> RouterService:
+def _holding_service(speed: float, recheck_s: float, **kw: Any) -> RouterService:
     """One simulated engine behind a router whose policy holds every request."""
     reg = PolicyRegistry()
     reg.register(_HoldsEverything.name, _HoldsEverything)
@@ -61,6 +63,7 @@ def _holding_service(speed: float, recheck_s: float) -> RouterService:
         policy=_HoldsEverything.name,
         registry=reg,
         held_recheck_s=recheck_s,
+        **kw,
     )
 
 
@@ -134,6 +137,30 @@ async def test_a_caller_leaving_while_held_leaves_nothing_behind() -> None:
         await svc.close()
 
 
+async def test_a_request_held_past_max_hold_s_goes_through_while_others_run() -> None:
+    svc = _holding_service(speed=1.0, recheck_s=0.01, max_hold_s=0.2)
+    await svc.start()
+    try:
+        # The first runs (forced: the cluster is idle) for far longer than max_hold_s.
+        first = asyncio.create_task(
+            svc.complete(ServiceRequest("a", [5] * 40, 4000, WorkflowIdentity()))
+        )
+        await _until(lambda: svc.health()["outstanding"] == 1)
+        second = await svc.complete(ServiceRequest("b", [6] * 40, 4, WorkflowIdentity()))
+        assert len(second.token_ids) == 4
+        assert not first.done()  # it went through beside the first, not after it
+        assert svc.held_total == 2 and svc.health()["held"] == 0
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    finally:
+        await svc.close()
+
+
+def test_max_hold_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_hold_s"):
+        _holding_service(speed=1.0, recheck_s=0.01, max_hold_s=0.0)
+
+
 async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: Path) -> None:
     # A 16k-token KV pool (1,024 blocks): three 4,800-token prompts take 903 of them.
     small = load_profile(str(pressure_profile(PROFILE, 16384, tmp_path)))
@@ -153,3 +180,21 @@ async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: 
         assert svc.held_total == 1 and svc.health()["held"] == 0
     finally:
         await svc.close()
+
+
+async def test_max_hold_s_from_the_config_file_reaches_the_router(tmp_path: Path) -> None:
+    from deploy.build import EngineSpec, ServiceConfig, build_service
+    from deploy.serve import ConfigError, _reliability, load_config_file
+
+    path = tmp_path / "wasma.yaml"
+    path.write_text("reliability:\n  max_hold_s: 12\n")
+    kw = _reliability(load_config_file(str(path))["reliability"])
+    svc = await build_service(ServiceConfig(engines=EngineSpec.parse("sim:1"), **kw))
+    try:
+        assert svc.max_hold_s == 12.0
+    finally:
+        await svc.close()
+    for bad in ("0", "-1", ".nan"):
+        path.write_text(f"reliability:\n  max_hold_s: {bad}\n")
+        with pytest.raises(ConfigError, match=r"reliability\.max_hold_s"):
+            _reliability(load_config_file(str(path))["reliability"])
