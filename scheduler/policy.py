@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class Policy(ABC):
 
     name: ClassVar[str]
     params: ClassVar[Mapping[str, Any]] = {}
+    # Inclusive (low, high) for numeric parameters; any other number must be >= 0.
+    param_bounds: ClassVar[Mapping[str, tuple[float, float]]] = {}
     # Whether the policy reads `ctx.inflight`; the router maintains it only then.
     reads_inflight: ClassVar[bool] = False
 
@@ -152,8 +155,38 @@ class Policy(ABC):
                 f"policy {self.name!r}: unknown parameter(s) {sorted(unknown)}; "
                 f"accepted: {sorted(self.params) or 'none'}"
             )
+        for key, value in ctx.params.items():
+            self._check_param(key, value)
         self.ctx = ctx
         self.p: dict[str, Any] = {**self.params, **ctx.params}
+
+    def _check_param(self, key: str, value: Any) -> None:
+        """A value of the default's kind, in range: a typo'd flag or config value fails
+        here, naming itself, instead of mid-run or not at all."""
+        default = self.params[key]
+        where = f"policy {self.name!r}: {key}"
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where} must be true or false, got {value!r}")
+            return
+        if isinstance(default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"{where} must be a string, got {value!r}")
+            return
+        if value is None and default is None:
+            return
+        whole = isinstance(default, int)
+        low, high = self.param_bounds.get(key, (0.0, math.inf))
+        if not (
+            isinstance(value, int if whole else int | float)
+            and not isinstance(value, bool)
+            and low <= value <= high
+            # (an int too large for a float counts as infinite, not as an OverflowError)
+            and math.isfinite(float(value) if abs(value) < 1e300 else math.inf)
+        ):
+            kind = "an integer" if whole else "a number"
+            span = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise ValueError(f"{where} must be {kind} {span}, got {value!r}")
 
     @abstractmethod
     def place(self, req: RequestInfo, now: float) -> Placement: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 from collections import OrderedDict
 from typing import Any, ClassVar
 
@@ -65,6 +66,10 @@ class PrefixAware(Policy):
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
         "max_tree_blocks": 1 << 22,
+    }
+    param_bounds: ClassVar[dict[str, tuple[float, float]]] = {
+        "cache_threshold": (0.0, 1.0),
+        "max_tree_blocks": (1, math.inf),
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -163,6 +168,7 @@ class KVAware(Policy):
 class Session(Policy):
     name = "session"
     params: ClassVar[dict[str, Any]] = {"virtual_nodes": 64}
+    param_bounds: ClassVar[dict[str, tuple[float, float]]] = {"virtual_nodes": (1, 4096)}
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)

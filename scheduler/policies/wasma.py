@@ -40,6 +40,7 @@ the requests already there. It picks the lowest. What makes that estimate workfl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -138,6 +139,12 @@ class Wasma(Policy):
         # host's CPU cores); None = the profile's measured `host_contention`.
         "host_contention": None,
     }
+    param_bounds: ClassVar[dict[str, tuple[float, float]]] = {
+        "kv_headroom": (0.01, 1.0),
+        "max_candidates": (1, math.inf),
+        "admission_margin": (0.01, 100.0),
+        "hopeless_slowdown": (1.0, math.inf),
+    }
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
@@ -149,13 +156,7 @@ class Wasma(Policy):
         self._kv_bytes_per_block = prof.kv_bytes_per_token * prof.block_size
         self._cp_cache: dict[str, dict[str, float]] = {}  # workflow -> remaining path
         self._rotate = 0
-        kappa = self.p["host_contention"]
-        if kappa is not None and (
-            isinstance(kappa, bool) or not isinstance(kappa, int | float) or not kappa >= 0
-        ):
-            raise ValueError(
-                f"policy 'wasma': host_contention must be a number >= 0, got {kappa!r}"
-            )
+        kappa = self.p["host_contention"]  # checked: None or a number >= 0
         self._kappa = prof.host_contention if kappa is None else float(kappa)
 
     def _kv_need(self, s: int) -> float:

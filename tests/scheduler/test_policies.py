@@ -634,3 +634,31 @@ def test_wasma_copies_from_one_holder_queue_without_a_broadcast(
     assert len(times) >= 2
     # The second copy waits for the first on e0's link.
     assert times[1] == pytest.approx(2 * times[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("wasma", {"transfer": "maybe"}, "transfer must be true or false"),
+        ("wasma", {"transfer": 1}, "transfer must be true or false"),
+        ("wasma", {"kv_headroom": "abc"}, r"kv_headroom must be a number in \[0.01, 1\]"),
+        ("wasma", {"kv_headroom": -1}, r"kv_headroom must be a number in \[0.01, 1\]"),
+        ("wasma", {"externality": float("nan")}, "externality must be a number >= 0"),
+        ("wasma", {"max_candidates": -5}, "max_candidates must be an integer >= 1"),
+        ("wasma", {"max_candidates": 2.5}, "max_candidates must be an integer >= 1"),
+        ("wasma", {"admission_margin": 10**400}, "admission_margin must be a number in"),
+        ("prefix_aware", {"cache_threshold": 2}, r"cache_threshold must be a number in \[0, 1\]"),
+        ("session", {"virtual_nodes": 0}, r"virtual_nodes must be an integer in \[1, 4096\]"),
+        ("kv_aware", {"overlap_score_weight": True}, "overlap_score_weight must be a number"),
+    ],
+)
+def test_a_parameter_of_the_wrong_kind_or_out_of_range_is_refused(
+    name: str, params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy(name, make_ctx(params=params))
+
+
+def test_parameters_of_the_right_kind_are_taken() -> None:
+    ctx = make_ctx(params={"kv_headroom": 1, "max_candidates": 8, "host_contention": None})
+    assert policy("wasma", ctx).p["kv_headroom"] == 1
