@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -46,9 +47,19 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers like 0.5,1,2, got {text!r}"
         ) from None
-    if not vals or any(not v > 0 for v in vals):
+    if not vals or any(not 0 < v < math.inf for v in vals):
         raise argparse.ArgumentTypeError(f"rates must be positive numbers, got {text!r}")
     return vals
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return port
 
 
 def _name_list(text: str) -> list[str]:
@@ -135,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--policy", default="wasma")
     sv.add_argument("--profile", default=None, help="simulator profile (sim engines)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=_port, default=8000)
     sv.add_argument("--config", default=None)
     sv.add_argument("--address", default=None, help="Ray address of an existing cluster")
     sv.add_argument("--api-key-file", default=None)

@@ -18,10 +18,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import uvicorn
 import yaml
@@ -110,7 +110,54 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         data["params"] = policy.get("params") or data.get("params", {})
         if policy.get("name"):
             data["policy_name"] = str(policy["name"])
+    _check_config_types(data)
     return data
+
+
+def _check_config_types(data: dict[str, Any]) -> None:
+    """Each top-level value of the kind its setting takes, checked before anything
+    starts: YAML gives `sim_speed: abc` or `kv_transfer: "false"` without complaint."""
+
+    def fail(key: str, want: str) -> NoReturn:
+        raise ConfigError(f"--config {key}: expected {want}, got {data[key]!r}")
+
+    for key in ("params", "engine_options", "gateway", "reliability"):
+        if key in data and not isinstance(data[key], Mapping):
+            fail(key, "a mapping")
+    if "sim_speed" in data:
+        speed = data["sim_speed"]
+        if not _is_number(speed) or not 0 < speed <= 1e9:
+            fail("sim_speed", "a number > 0")
+    if "max_outstanding" in data and not _int_in(data["max_outstanding"], 1, 1 << 40):
+        fail("max_outstanding", "an integer >= 1")
+    if "kv_transfer" in data and not isinstance(data["kv_transfer"], bool):
+        fail("kv_transfer", "true or false")
+    if "kv_events" in data:
+        events = data["kv_events"]
+        if isinstance(events, str):
+            events = [e.strip() for e in events.split(",") if e.strip()]
+        if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
+            fail("kv_events", "a list of endpoints (or one comma-separated string)")
+        data["kv_events"] = tuple(events)
+    defaults = {f.name: f.default for f in fields(GatewayConfig)}
+    for key, value in dict(data.get("gateway") or {}).items():
+        default = defaults.get(key)
+        if key == "admin_port":
+            if value is not None and not _int_in(value, 1, 65535):
+                raise ConfigError(f"--config gateway.admin_port: expected a port, got {value!r}")
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config gateway.{key}: expected true or false, got {value!r}")
+        elif isinstance(default, int) and not _int_in(value, 1, 1 << 40):
+            raise ConfigError(f"--config gateway.{key}: expected an integer >= 1, got {value!r}")
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class TokenIdsOnly:
@@ -340,14 +387,20 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-_RELIABILITY_KEYS = {
+_RELIABILITY_KEYS: dict[str, Callable[[Any], Any]] = {
     "journal": str,
     "request_timeout_s": float,
     "health_timeout_s": float,
-    "max_failovers": int,
-    "router_max_restarts": int,
+    "max_failovers": lambda v: _count(v, "max_failovers"),
+    "router_max_restarts": lambda v: _count(v, "router_max_restarts"),
     "max_hold_s": float,
 }
+
+
+def _count(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _lease(value: Any) -> float:

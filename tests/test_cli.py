@@ -406,6 +406,25 @@ _POLICY = r"--config params: policy 'wasma'"
             ({"retain_lease_s": lease}, r"--config retain_lease_s: expected seconds")
             for lease in (0, -5, "soon", True, 1e6)
         ),
+        ({"params": {"transfer": "maybe"}}, _POLICY + ".*transfer must be true or false"),
+        ({"params": 5}, r"--config params: expected a mapping"),
+        *(
+            ({"sim_speed": speed}, r"--config sim_speed: expected a number > 0")
+            for speed in (0, -3, "abc", [1], True)
+        ),
+        *(
+            ({"max_outstanding": n}, r"--config max_outstanding: expected an integer >= 1")
+            for n in (-5, 1.9, "abc", [1])
+        ),
+        ({"kv_transfer": "false"}, r"--config kv_transfer: expected true or false"),
+        ({"kv_events": [1, 2]}, r"--config kv_events: expected a list of endpoints"),
+        ({"gateway": {"admin_port": "abc"}}, r"--config gateway.admin_port: expected a port"),
+        ({"gateway": {"max_tokens_limit": "abc"}}, r"--config gateway.max_tokens_limit"),
+        ({"gateway": {"protect_metrics": "yes"}}, r"--config gateway.protect_metrics"),
+        *(
+            ({"reliability": {"max_failovers": n}}, r"--config reliability: max_failovers")
+            for n in (-1, 1.9, True)
+        ),
     ],
 )
 def test_serve_bad_config_fails_before_the_server_starts(
