@@ -119,3 +119,36 @@ def test_binary_file_is_a_trace_error(tmp_path: Path) -> None:
     p.write_bytes(b"\xff\xfe\x00garbage\n")
     with pytest.raises(TraceError, match=r"bin\.jsonl"):
         load_trace(p)
+
+
+def test_a_key_given_twice_is_an_error_not_a_silent_override(tmp_path: Path) -> None:
+    line = json.dumps(wf_dict("w0")).replace('"app": "t"', '"app": "t", "app": "u"')
+    p = write_lines(tmp_path / "dup.jsonl", [line])
+    with pytest.raises(TraceError, match=r"dup\.jsonl:1: invalid JSON: key 'app' appears twice"):
+        load_trace(p)
+
+
+def test_only_newlines_end_lines(tmp_path: Path) -> None:
+    # U+2028 is legal inside a JSON string: it does not end a line (str.splitlines()
+    # would split there), so the bad line below is line 2, not line 3.
+    first = json.dumps(wf_dict("w\u2028x"), ensure_ascii=False)
+    p = write_lines(tmp_path / "t.jsonl", [first, "{not json"])
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: invalid JSON"):
+        load_trace(p)
+    p = write_lines(tmp_path / "ok.jsonl", [first])
+    assert load_trace(p)[0].workflow_id == "w\u2028x"
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' + "9" * 5000 + "}"])
+def test_json_too_deep_or_too_long_is_a_trace_error(tmp_path: Path, text: str) -> None:
+    p = write_lines(tmp_path / "t.jsonl", [text])
+    with pytest.raises(TraceError, match=r"t\.jsonl:1: invalid JSON") as ei:
+        load_trace(p)
+    assert "\n" not in str(ei.value)
+
+
+def test_a_trace_that_cannot_be_written_names_its_path(tmp_path: Path) -> None:
+    wfs = [Workflow.from_dict(wf_dict("w0"))]
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(TraceError, match=r"taken/t\.jsonl: cannot write trace"):
+        write_trace(tmp_path / "taken" / "t.jsonl", wfs)
