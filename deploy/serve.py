@@ -78,8 +78,15 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: invalid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"--config {path}: invalid YAML{at}: {problem}") from None
+    except ValueError as exc:  # a YAML integer too long to read
+        raise ConfigError(f"--config {path}: invalid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must be a mapping")
     known = {
@@ -98,7 +105,7 @@ def load_config_file(path: str | None) -> dict[str, Any]:
     unknown = set(data) - known
     if unknown:
         raise ConfigError(
-            f"--config {path}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+            f"--config {path}: unknown key(s) {sorted(unknown, key=str)}; known: {sorted(known)}"
         )
     # The Helm chart writes `policy: {name, params}`; its params are the policy's.
     policy = data.pop("policy", None)
@@ -221,7 +228,7 @@ def gateway_setup(
     unknown = set(gw) - known
     if unknown:
         raise ConfigError(
-            f"--config gateway: unknown key(s) {sorted(unknown)}; known: {sorted(known)}"
+            f"--config gateway: unknown key(s) {sorted(unknown, key=str)}; known: {sorted(known)}"
         )
     gcfg = GatewayConfig(
         model_names=tuple(dict.fromkeys(names)) or ("wasma",),

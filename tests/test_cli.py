@@ -487,3 +487,25 @@ def test_serve_names_an_openai_engine_that_does_not_answer(
     finally:
         up.shutdown()
         refusing.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (b"gateway: {a: [1,\n", r"invalid YAML at line \d+, column \d+"),
+        (b"sim_speed: \xff\n", "not UTF-8 text"),
+        (b"sim_speed: " + b"9" * 5000 + b"\n", "invalid YAML"),
+        (b"1: a\nfoo: b\n", r"unknown key\(s\) \[1, 'foo'\]"),
+    ],
+    ids=["yaml", "utf8", "long-int", "mixed-keys"],
+)
+def test_serve_unreadable_config_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, pattern: str
+) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_bytes(content)
+    argv = ["serve", "--engines", "sim:1", "--router-in-process", "--config", str(cfg)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("wasma: error: --config ")
+    assert re.search(pattern, err), err

@@ -118,13 +118,20 @@ class Topology:
             path = Path(source)
             if not path.exists():
                 raise TopologyError(f"topology file not found: {path}")
-            text = path.read_text()
+            try:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise TopologyError(f"topology file {path}: {reason or exc}") from None
         else:
             text = source
         try:
             data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise TopologyError(f"topology is not valid YAML: {exc}") from None
+        except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int too long to read
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise TopologyError(f"topology is not valid YAML{at}: {problem}") from None
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:

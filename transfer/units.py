@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _PREFIXES: dict[str, float] = {
@@ -34,11 +35,25 @@ _SIZE_UNITS: dict[str, int] = {
 _NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([^\s]*)\s*$")
 
 
-def _split(value: str, what: str) -> tuple[float, str]:
-    match = _NUMBER.match(value)
+def _split(value: object, what: str) -> tuple[float, str]:
+    match = _NUMBER.match(value) if isinstance(value, str) else None
     if match is None:
         raise ValueError(f"cannot read {what} {value!r}")
     return float(match.group(1)), match.group(2)
+
+
+def _finite(value: float, text: object, what: str) -> float:
+    """`value` (read from `text`) if it is a finite number, as YAML and JSON allow
+    numbers no float holds."""
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        shown = repr(text)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ValueError(f"{what} {shown} is not a finite number")
+    return result
 
 
 def parse_bandwidth(value: float | int | str) -> float:
@@ -47,11 +62,11 @@ def parse_bandwidth(value: float | int | str) -> float:
     Network gear is quoted in bits and buses in bytes, so both are accepted; as vendors
     write them, 'Gb/s' and 'Gbps' are bits and 'GB/s' is bytes.
     """
-    if isinstance(value, int | float):
-        return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _finite(value, value, "bandwidth")
     number, unit = _split(value, "bandwidth")
     if unit == "":
-        return number
+        return _finite(number, value, "bandwidth")
     lower = unit.lower()
     if lower.endswith("bps"):
         prefix, per_unit = lower[:-3], 1 / 8
@@ -65,29 +80,29 @@ def parse_bandwidth(value: float | int | str) -> float:
         raise ValueError(f"unknown unit in bandwidth {value!r}")
     if prefix not in _PREFIXES:
         raise ValueError(f"unknown unit in bandwidth {value!r}")
-    return number * _PREFIXES[prefix] * per_unit
+    return _finite(number * _PREFIXES[prefix] * per_unit, value, "bandwidth")
 
 
 def parse_latency(value: float | int | str) -> float:
     """Seconds from a number (already seconds) or a string such as '2us', '1.5ms'."""
-    if isinstance(value, int | float):
-        return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _finite(value, value, "latency")
     number, unit = _split(value, "latency")
     factor = _LATENCY_UNITS.get(unit.lower()) if unit else 1.0
     if factor is None:
         raise ValueError(f"unknown unit in latency {value!r}")
-    return number * factor
+    return _finite(number * factor, value, "latency")
 
 
 def parse_size(value: int | str) -> int:
     """Bytes from an integer or a string such as '64MiB', '1G', '1e9'."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     number, unit = _split(value, "size")
     factor = _SIZE_UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown unit in size {value!r}")
-    result = number * factor
+    result = _finite(number * factor, value, "size")
     if result != int(result):
         raise ValueError(f"size {value!r} is not a whole number of bytes")
     return int(result)

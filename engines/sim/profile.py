@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -126,7 +126,7 @@ def profile_from_dict(data: Any, where: str) -> Profile:
         *_INT_FIELDS,
     }
     if set(data) - known:
-        raise ProfileError(f"{where}: unknown field(s) {sorted(set(data) - known)}")
+        raise ProfileError(f"{where}: unknown field(s) {sorted(set(data) - known, key=str)}")
     if (ints["num_kv_blocks"] - 1) * ints["block_size"] < ints["max_model_len"]:
         raise ProfileError(
             f"{where}: max_model_len {ints['max_model_len']} exceeds the KV pool "
@@ -138,16 +138,11 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     names = [f.name for f in fields(StepModel)]
     unknown = set(step) - set(names)
     if unknown:
-        raise ProfileError(f"{where}: unknown step coefficient(s) {sorted(unknown)}")
+        raise ProfileError(f"{where}: unknown step coefficient(s) {sorted(unknown, key=str)}")
     coeffs: dict[str, float] = {}
     for key in names:
         val = step.get(key)
-        if (
-            isinstance(val, bool)
-            or not isinstance(val, int | float)
-            or not math.isfinite(val)
-            or val < 0
-        ):
+        if not _finite_number(val) or val < 0:
             raise ProfileError(f"{where}: step.{key} must be a finite number >= 0, got {val!r}")
         coeffs[key] = float(val)
     if coeffs["base_s"] <= 0:
@@ -156,12 +151,7 @@ def profile_from_dict(data: Any, where: str) -> Profile:
     if not isinstance(sources, list):
         raise ProfileError(f"{where}: sources must be a list of strings")
     contention = data.get("host_contention", 0.0)
-    if (
-        isinstance(contention, bool)
-        or not isinstance(contention, int | float)
-        or not math.isfinite(contention)
-        or not 0 <= contention <= 16
-    ):
+    if not _finite_number(contention) or not 0 <= contention <= 16:
         raise ProfileError(
             f"{where}: host_contention must be a number in [0, 16], got {contention!r}"
         )
@@ -172,6 +162,15 @@ def profile_from_dict(data: Any, where: str) -> Profile:
         host_contention=float(contention),
         **ints,
     )
+
+
+def _finite_number(value: Any) -> TypeGuard[int | float]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def builtin_profiles() -> list[str]:
@@ -192,9 +191,15 @@ def load_profile(name_or_path: str) -> Profile:
                 f"unknown profile {name_or_path!r}: not a built-in "
                 f"({', '.join(builtin_profiles())}) and no such file"
             )
-        text, where = path.read_text(), str(path)
+        try:
+            text, where = path.read_text(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ProfileError(f"{path}: cannot read profile: {reason or exc}") from None
     try:
         data = yaml.safe_load(text)
+    except ValueError as exc:  # a YAML integer too long to read
+        raise ProfileError(f"{where}: invalid YAML: {str(exc).splitlines()[0]}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -117,6 +117,11 @@ def test_yaml_file_round_trip(tmp_path: Path) -> None:
             r"host_contention must be a number in \[0, 16\]",
         ),
         (lambda d: d.update(host_contention="lots"), "host_contention"),
+        # YAML and JSON integers no float holds: an error naming the field, no traceback.
+        (lambda d: d["step"].update(base_s=10**400), r"step\.base_s must be a finite number"),
+        (lambda d: d.update(host_contention=10**400), "host_contention must be a number"),
+        (lambda d: d.update({1: "a", "foo": "b"}), r"unknown field\(s\) \[1, 'foo'\]"),
+        (lambda d: d["step"].update({2: 1.0, "x": 1.0}), r"unknown step coefficient\(s\)"),
     ],
 )
 def test_bad_profile_fields_name_file_and_field(mutate: Any, pattern: str) -> None:
@@ -171,3 +176,10 @@ def test_unknown_profile_key_rejected() -> None:
     d["long_prefill_threshold"] = 5  # misspelt long_prefill_token_threshold
     with pytest.raises(ProfileError, match="long_prefill_threshold"):
         profile_from_dict(d, "x")
+
+
+def test_a_profile_file_that_is_not_text_is_a_profile_error(tmp_path: Path) -> None:
+    f = tmp_path / "bin.yaml"
+    f.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(ProfileError, match=r"bin\.yaml: cannot read profile: not UTF-8 text"):
+        load_profile(str(f))

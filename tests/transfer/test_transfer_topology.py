@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from transfer import Topology, TopologyBuilder, TopologyError, build_preset, load_topology
@@ -277,3 +280,30 @@ def test_cpu_cluster_memory_bandwidth_caps_concurrent_copies() -> None:
     assert fan.predicted_s == pytest.approx(1.0)
     with pytest.raises(TopologyError):
         build_cpu_cluster(memory_Bps=0.0)
+
+
+@pytest.mark.parametrize(
+    ("parse", "value"),
+    [
+        (parse_size, "1e400"),
+        (parse_size, True),
+        (parse_bandwidth, [1]),
+        (parse_bandwidth, 10**400),
+        (parse_bandwidth, "1e400Gbps"),
+        (parse_latency, {"a": 1}),
+        (parse_latency, float("nan")),
+    ],
+    ids=["size-1e400", "size-bool", "bw-list", "bw-huge-int", "bw-1e400", "lat-dict", "lat-nan"],
+)
+def test_values_no_unit_parser_can_read_are_value_errors(parse: Any, value: Any) -> None:
+    with pytest.raises(ValueError) as ei:
+        parse(value)
+    assert len(str(ei.value)) < 80  # one short line, even for a 400-digit number
+
+
+def test_a_topology_that_is_a_folder_or_not_text_is_a_topology_error(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="Is a directory"):
+        Topology.from_yaml(tmp_path)
+    (tmp_path / "t.yaml").write_bytes(b"name: \xff\n")
+    with pytest.raises(TopologyError, match="not UTF-8 text"):
+        Topology.from_yaml(tmp_path / "t.yaml")
