@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -35,9 +34,26 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    # Far outside these, arrival times or deadlines overflow a float's useful range.
+    if not 1e-9 <= v <= 1e9:
+        raise argparse.ArgumentTypeError(f"expected a positive number (1e-9 to 1e9), got {text!r}")
     return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..2^64-1, got {text!r}")
+    return v
+
+
+def _http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text) <= len("https://"):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
 
 
 def _float_list(text: str) -> list[float]:
@@ -47,8 +63,10 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers like 0.5,1,2, got {text!r}"
         ) from None
-    if not vals or any(not 0 < v < math.inf for v in vals):
-        raise argparse.ArgumentTypeError(f"rates must be positive numbers, got {text!r}")
+    if not vals or any(not 1e-9 <= v <= 1e9 for v in vals):
+        raise argparse.ArgumentTypeError(
+            f"rates must be positive numbers (1e-9 to 1e9), got {text!r}"
+        )
     return vals
 
 
@@ -81,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--app", required=True, choices=["pipeline", "mapreduce", "debate"])
     gen.add_argument("--workflows", type=_positive_int, required=True)
     gen.add_argument("--rate", type=_positive_float, required=True, help="workflows per second")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=_seed, default=0)
     gen.add_argument("--profile", default="llama3-8b-h100", help="for deadlines")
     gen.add_argument("--slack", type=_positive_float, default=None, help="deadline factor")
     gen.add_argument(
@@ -124,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="drive a live gateway with a trace")
     rp.add_argument("--trace", required=True)
-    rp.add_argument("--url", required=True)
+    rp.add_argument("--url", required=True, type=_http_url)
     rp.add_argument("--out", required=True)
     rp.add_argument("--rate-scale", type=_positive_float, default=1.0)
     rp.add_argument("--api-key", default=None)

@@ -89,7 +89,10 @@ def test_trace_gen_slack_scales_deadlines(tmp_path: Path) -> None:
         (["--workflows", "x"], "--workflows"),
         (["--rate", "-1"], "--rate"),
         (["--rate", "inf"], "--rate"),
+        (["--rate", "1e-320"], "--rate"),
         (["--slack", "0"], "--slack"),
+        (["--slack", "1e308"], "--slack"),
+        (["--seed", "-1"], "--seed"),
         (["--profile", "nope"], "nope"),
     ],
 )
@@ -232,7 +235,7 @@ def test_bench_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "nope.jsonl" in line and "cannot read" in line
 
 
-@pytest.mark.parametrize("rates", ["1,x", "0", "-1,2", ","])
+@pytest.mark.parametrize("rates", ["1,x", "0", "-1,2", ",", "inf", "1e-320"])
 def test_bench_bad_rates(
     rates: str, trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -509,3 +512,18 @@ def test_serve_unreadable_config_is_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("wasma: error: --config ")
     assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["serve", "--engines", "sim:1", "--port", "70000"], "--port"),
+        (["serve", "--engines", "sim:1", "--port", "-1"], "--port"),
+        (["replay", "--url", "ftp://x", "--trace", "t.jsonl", "--out", "o"], "--url"),
+        (["replay", "--url", "localhost:8000", "--trace", "t.jsonl", "--out", "o"], "--url"),
+    ],
+)
+def test_serve_and_replay_bad_flags(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert needle in error_of(capsys, argv)
