@@ -67,6 +67,8 @@ class Topology:
         latency, kind}]}`; bandwidth and latency may carry units ('400Gbps', '2us')."""
         if not isinstance(data, Mapping):
             raise TopologyError("topology must be a mapping with 'devices' and 'links'")
+        # A misspelt key ('latncy') would otherwise be dropped, and its default used.
+        _only(data, {"name", "devices", "links"}, "topology")
         builder = TopologyBuilder(str(data.get("name", "topology")))
         devices = data.get("devices")
         links = data.get("links")
@@ -77,6 +79,7 @@ class Topology:
         for i, entry in enumerate(devices):
             if not isinstance(entry, Mapping) or "name" not in entry or "kind" not in entry:
                 raise TopologyError(f"devices[{i}] needs 'name' and 'kind'")
+            _only(entry, {"name", "kind", "host", "throughput"}, f"devices[{i}]")
             throughput = entry.get("throughput")
             try:
                 throughput_Bps = None if throughput is None else parse_bandwidth(throughput)
@@ -91,6 +94,7 @@ class Topology:
         for i, entry in enumerate(links):
             if not isinstance(entry, Mapping):
                 raise TopologyError(f"links[{i}] must be a mapping")
+            _only(entry, _LINK_KEYS, f"links[{i}]")
             missing = [key for key in ("a", "b", "bandwidth") if key not in entry]
             if missing:
                 raise TopologyError(f"links[{i}] is missing {', '.join(missing)}")
@@ -114,8 +118,10 @@ class Topology:
     @classmethod
     def from_yaml(cls, source: str | Path) -> Topology:
         """From a YAML file path, or YAML text when `source` contains a newline."""
+        where = "topology"
         if isinstance(source, Path) or "\n" not in source:
             path = Path(source)
+            where = f"topology file {path}"
             if not path.exists():
                 raise TopologyError(f"topology file not found: {path}")
             try:
@@ -131,8 +137,13 @@ class Topology:
             mark = getattr(exc, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise TopologyError(f"topology is not valid YAML{at}: {problem}") from None
-        return cls.from_dict(data)
+            raise TopologyError(f"{where}: not valid YAML{at}: {problem}") from None
+        try:
+            return cls.from_dict(data)
+        except TopologyError as exc:
+            if where == "topology":
+                raise
+            raise TopologyError(f"{where}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -360,4 +371,15 @@ def validate_graph(graph: nx.Graph) -> None:
         raise TopologyError(
             f"topology is disconnected: its GPUs fall into {len(components)} groups that "
             f"cannot reach each other: {groups}"
+        )
+
+
+_LINK_KEYS = {"a", "b", "bandwidth", "bandwidth_back", "latency", "kind"}
+
+
+def _only(entry: Mapping[Any, Any], known: set[str], where: str) -> None:
+    unknown = set(entry) - known
+    if unknown:
+        raise TopologyError(
+            f"{where}: unknown key(s) {sorted(unknown, key=str)}; known: {sorted(known)}"
         )

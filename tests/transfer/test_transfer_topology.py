@@ -307,3 +307,25 @@ def test_a_topology_that_is_a_folder_or_not_text_is_a_topology_error(tmp_path: P
     (tmp_path / "t.yaml").write_bytes(b"name: \xff\n")
     with pytest.raises(TopologyError, match="not UTF-8 text"):
         Topology.from_yaml(tmp_path / "t.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        (
+            YAML.replace("latency: 1us", "latncy: 1us", 1),
+            r"links\[0\]: unknown key\(s\) \['latncy'\]",
+        ),
+        (YAML.replace("host: n0}", "hots: n0}", 1), r"devices\[0\]: unknown key\(s\) \['hots'\]"),
+        (YAML + "extra: 1\n", r"topology: unknown key\(s\) \['extra'\]"),
+        ("devices: [1,\n", r"not valid YAML at line \d+, column \d+"),
+    ],
+)
+def test_a_topology_file_error_names_the_file_and_the_key(
+    tmp_path: Path, text: str, pattern: str
+) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError, match=r"topology file .*t\.yaml: .*" + pattern) as ei:
+        Topology.from_yaml(path)
+    assert "\n" not in str(ei.value)
