@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -48,6 +49,14 @@ def _seed(text: str) -> int:
     if not 0 <= v < 2**64:
         raise argparse.ArgumentTypeError(f"expected an integer in 0..2^64-1, got {text!r}")
     return v
+
+
+def _out_dir(text: str) -> str:
+    """A folder for results, checked before a run that may take minutes writes to it."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    return text
 
 
 def _http_url(text: str) -> str:
@@ -117,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", default="llama3-8b-h100")
     b.add_argument("--rates", type=_float_list, default=None, help="rate scales, e.g. 1,1.5,2")
     b.add_argument("--sweep", action="store_true", help="find each policy's capacity")
-    b.add_argument("--out", required=True)
+    b.add_argument("--out", required=True, type=_out_dir)
     b.add_argument("--workers", type=_positive_int, default=None)
     b.add_argument("--address", default=None, help="Ray address: run the grid as Ray tasks")
     b.add_argument(
@@ -143,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="drive a live gateway with a trace")
     rp.add_argument("--trace", required=True)
     rp.add_argument("--url", required=True, type=_http_url)
-    rp.add_argument("--out", required=True)
+    rp.add_argument("--out", required=True, type=_out_dir)
     rp.add_argument("--rate-scale", type=_positive_float, default=1.0)
     rp.add_argument("--api-key", default=None)
     rp.add_argument("--model", default=None)

@@ -527,3 +527,20 @@ def test_serve_and_replay_bad_flags(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert needle in error_of(capsys, argv)
+
+
+@pytest.mark.parametrize("command", ["bench", "replay"])
+def test_an_out_that_is_a_file_fails_before_any_run(
+    command: str, trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    if command == "bench":
+        argv = [*bench_argv(trace_file, tmp_path)]
+        argv[argv.index("--out") + 1] = str(taken)
+    else:  # no server listens on port 1: a run would fail only after trying every request
+        argv = ["replay", "--url", "http://127.0.0.1:1", "--trace", str(trace_file)]
+        argv += ["--out", str(taken)]
+    line = error_of(capsys, argv)
+    assert "--out" in line and "not a folder" in line
+    assert taken.read_text() == "a file"
