@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,14 +41,23 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v < 2**64:
-        raise argparse.ArgumentTypeError(f"expected an integer in 0..2^64-1, got {text!r}")
-    return v
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high, else an error saying `what` it wants."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = low - 1
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    return parse
+
+
+_seed = _int_in(0, 2**64 - 1, "an integer in 0..2^64-1")
+_port = _int_in(0, 65535, "a port in 0..65535")
 
 
 def _out_dir(text: str) -> str:
@@ -77,16 +86,6 @@ def _float_list(text: str) -> list[float]:
             f"rates must be positive numbers (1e-9 to 1e9), got {text!r}"
         )
     return vals
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
-    return port
 
 
 def _name_list(text: str) -> list[str]:

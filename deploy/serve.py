@@ -159,7 +159,7 @@ def _check_config_types(data: dict[str, Any]) -> None:
             raise ConfigError(f"--config gateway.{key}: expected an integer >= 1, got {value!r}")
 
 
-def _int_in(value: Any, low: int, high: int) -> bool:
+def _int_in(value: Any, low: int, high: float) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
@@ -405,9 +405,9 @@ _RELIABILITY_KEYS: dict[str, Callable[[Any], Any]] = {
 
 
 def _count(value: Any, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _int_in(value, 0, math.inf):
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 def _lease(value: Any) -> float:

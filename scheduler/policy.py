@@ -16,6 +16,7 @@ from scheduler.estimate_bias import EstimateBias
 from scheduler.prefix_index import PrefixIndex
 from scheduler.pricing import TransferPricer
 from scheduler.state import ClusterState
+from scheduler.workflow import finite_number
 from scheduler.workflows import WorkflowRegistry
 
 
@@ -178,11 +179,7 @@ class Policy(ABC):
         whole = isinstance(default, int)
         low, high = self.param_bounds.get(key, (0.0, math.inf))
         if not (
-            isinstance(value, int if whole else int | float)
-            and not isinstance(value, bool)
-            and low <= value <= high
-            # (an int too large for a float counts as infinite, not as an OverflowError)
-            and math.isfinite(float(value) if abs(value) < 1e300 else math.inf)
+            finite_number(value) and (isinstance(value, int) or not whole) and low <= value <= high
         ):
             kind = "an integer" if whole else "a number"
             span = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import networkx as nx
 
@@ -359,10 +359,16 @@ def _check_tokens(value: Any, where: str) -> None:
         )
 
 
-def _finite_nonneg(x: Any) -> bool:
+def finite_number(x: Any) -> TypeGuard[int | float]:
+    """A number (not a bool) that a float can hold: JSON and YAML allow integers too
+    large for one, on which `math.isfinite` raises instead of answering."""
     if not isinstance(x, int | float) or isinstance(x, bool):
         return False
     try:
-        return math.isfinite(x) and x >= 0
-    except OverflowError:  # an int too large for a float (JSON allows any)
+        return math.isfinite(x)
+    except OverflowError:
         return False
+
+
+def _finite_nonneg(x: Any) -> bool:
+    return finite_number(x) and x >= 0
