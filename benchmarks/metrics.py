@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.sim_replay import RunResult
-from scheduler.tokens import BlockHasher
-from scheduler.workflow import Workflow
+from wasma.benchmarks.sim_replay import RunResult
+from wasma.scheduler.tokens import BlockHasher
+from wasma.scheduler.workflow import Workflow
 
 
 def percentile(values: Sequence[float], q: float) -> float:

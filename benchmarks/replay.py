@@ -31,12 +31,12 @@ from typing import Any
 
 import httpx
 
-from benchmarks.metrics import summarize
-from benchmarks.sim_replay import RequestRecord, RunResult, WorkflowRecord
-from engines.openai_engine import sse_events
-from scheduler.tokens import TokenMaterialiser, stream_id
-from scheduler.trace import load_trace
-from scheduler.workflow import ContextOf, OutputOf, Shared, Unique, Workflow
+from wasma.benchmarks.metrics import summarize
+from wasma.benchmarks.sim_replay import RequestRecord, RunResult, WorkflowRecord
+from wasma.engines.openai_engine import sse_events
+from wasma.scheduler.tokens import TokenMaterialiser, stream_id
+from wasma.scheduler.trace import load_trace
+from wasma.scheduler.workflow import ContextOf, OutputOf, Shared, Unique, Workflow
 
 # The tiny local Llama's vocabulary: the safe default when the server does not say.
 DEFAULT_VOCAB = 2048

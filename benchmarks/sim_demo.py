@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.apps import generate
-from benchmarks.bench import bench
-from benchmarks.report import table
-from engines.sim.profile import load_profile
-from scheduler.registry import default_registry
-from scheduler.trace import write_trace
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.bench import bench
+from wasma.benchmarks.report import table
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.registry import default_registry
+from wasma.scheduler.trace import write_trace
 
 APPS = ("pipeline", "mapreduce", "debate")
 

@@ -12,19 +12,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import DEFAULT_RETAIN_S
-from engines.sim.core import SimEngineCore, SimRequest
-from engines.sim.profile import Profile
-from scheduler.copies import CopySchedule
-from scheduler.policy import PolicyContext, RequestInfo
-from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import DeviceMappedPricer, TransferPricer, hgx_devices
-from scheduler.registry import PolicyRegistry, default_registry
-from scheduler.router import Router
-from scheduler.state import ClusterState
-from scheduler.tokens import BlockHasher
-from scheduler.workflow import Workflow
-from scheduler.workflows import WorkflowRegistry
+from wasma.engines.base import DEFAULT_RETAIN_S
+from wasma.engines.sim.core import SimEngineCore, SimRequest
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.copies import CopySchedule
+from wasma.scheduler.policy import PolicyContext, RequestInfo
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.pricing import DeviceMappedPricer, TransferPricer, hgx_devices
+from wasma.scheduler.registry import PolicyRegistry, default_registry
+from wasma.scheduler.router import Router
+from wasma.scheduler.state import ClusterState
+from wasma.scheduler.tokens import BlockHasher
+from wasma.scheduler.workflow import Workflow
+from wasma.scheduler.workflows import WorkflowRegistry
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ class _Retention:
 
 def topology_pricer(engines: Sequence[str], preset: str = "hgx-h100") -> TransferPricer:
     """The transfer planner on HGX nodes (8 GPUs on NVSwitch, 8x400G NICs a node)."""
-    from transfer import Planner, build_preset
+    from wasma.transfer import Planner, build_preset
 
     nodes = -(-len(engines) // 8)
     return DeviceMappedPricer(Planner(build_preset(preset, nodes)), hgx_devices(engines))

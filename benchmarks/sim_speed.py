@@ -1,8 +1,8 @@
 """Simulator speed: simulated requests per second of one core, and a large-cluster run.
 
-    python -m benchmarks.sim_speed                     # the three apps at 8 engines
-    python -m benchmarks.sim_speed --large             # + 1,024 engines, 100,000 workflows
-    python -m benchmarks.sim_speed --token-scale 0.02  # the same apps, 50x fewer tokens
+    python -m wasma.benchmarks.sim_speed                     # the three apps at 8 engines
+    python -m wasma.benchmarks.sim_speed --large             # + 1,024 engines, 100,000 workflows
+    python -m wasma.benchmarks.sim_speed --token-scale 0.02  # the same apps, 50x fewer tokens
 
 CPU time (time.process_time) is reported beside wall time: on a shared machine, wall time
 also counts other processes' turns on the core. Other processes still slow a run's CPU
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.apps import generate
-from benchmarks.sim_replay import RunResult, SimReplay
-from engines.sim.profile import load_profile
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.sim_replay import RunResult, SimReplay
+from wasma.engines.sim.profile import load_profile
 
 
 def measure(

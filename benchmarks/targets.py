@@ -23,19 +23,19 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.apps import generate
-from benchmarks.bench import Runner, RunSpec, sweep_capacity
-from benchmarks.metrics import percentile
-from benchmarks.report import plot_results
-from engines.base import BlockStored
-from engines.sim.profile import load_profile
-from scheduler.policy import PolicyContext, RequestInfo
-from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import LinkBandwidthPricer
-from scheduler.registry import default_registry
-from scheduler.state import Charge, ClusterState
-from scheduler.trace import write_trace
-from scheduler.workflows import WorkflowRegistry
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.bench import Runner, RunSpec, sweep_capacity
+from wasma.benchmarks.metrics import percentile
+from wasma.benchmarks.report import plot_results
+from wasma.engines.base import BlockStored
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.policy import PolicyContext, RequestInfo
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.pricing import LinkBandwidthPricer
+from wasma.scheduler.registry import default_registry
+from wasma.scheduler.state import Charge, ClusterState
+from wasma.scheduler.trace import write_trace
+from wasma.scheduler.workflows import WorkflowRegistry
 
 APPS = ("pipeline", "mapreduce", "debate")
 POLICIES = ("round_robin", "least_loaded", "session", "prefix_aware", "kv_aware", "wasma")

@@ -1,7 +1,7 @@
 """Transfer benchmark: the CPU executor against memcpy, pipelined broadcast against
 point-to-point, and the planner's predictions against measurements.
 
-    python -m benchmarks.transfer_bench [--mib 64] [--repeats 11] [--out DIR]
+    python -m wasma.benchmarks.transfer_bench [--mib 64] [--repeats 11] [--out DIR]
 
 Writes DIR/transfer_bench.json and DIR/transfer_bench.png and prints a table. Every
 comparison is measured in the same run, interleaved, so machine load hits both sides;
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from transfer import Planner, TransferPlan, build_preset
-from transfer.algorithms import with_chunks
-from transfer.cpu_executor import CpuExecutor
-from transfer.presets import build_cpu_cluster
+from wasma.transfer import Planner, TransferPlan, build_preset
+from wasma.transfer.algorithms import with_chunks
+from wasma.transfer.cpu_executor import CpuExecutor
+from wasma.transfer.presets import build_cpu_cluster
 
 MIB = 1 << 20
 

@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deploy.journal import WorkflowJournal
-from deploy.metrics import WasmaMetrics
-from deploy.ray_channel import ChannelServer
-from deploy.router_service import RouterService, ServiceRequest
-from engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
-from engines.sim.profile import Profile, load_profile
-from scheduler.pricing import LinkBandwidthPricer, TransferPricer
+from wasma.deploy.journal import WorkflowJournal
+from wasma.deploy.metrics import WasmaMetrics
+from wasma.deploy.ray_channel import ChannelServer
+from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.scheduler.pricing import LinkBandwidthPricer, TransferPricer
 
 DEFAULT_SIM_PROFILE = "llama3-8b-h100"
 
@@ -109,11 +109,11 @@ def resolve_profile(cfg: ServiceConfig) -> Profile:
 async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClient]:
     spec = cfg.engines
     if spec.kind == "sim":
-        from engines.sim_engine import SimEngine
+        from wasma.engines.sim_engine import SimEngine
 
         return [SimEngine(f"sim{i}", profile, speed=cfg.sim_speed) for i in range(spec.count)]
     if spec.kind == "openai":
-        from engines.openai_engine import OpenAIEngine
+        from wasma.engines.openai_engine import OpenAIEngine
 
         async def connect(i: int, url: str) -> EngineClient:
             kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
@@ -130,7 +130,7 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
 async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
     """vLLM engines, each in its own Ray actor when the actor proxy is available, else
     in this process (one EngineCore child process each)."""
-    from engines.vllm_engine import VLLMEngineConfig
+    from wasma.engines.vllm_engine import VLLMEngineConfig
 
     assert cfg.model is not None
     vcfg = VLLMEngineConfig(model=cfg.model, **dict(cfg.engine_options))
@@ -140,9 +140,9 @@ async def _build_vllm(cfg: ServiceConfig) -> list[EngineClient]:
         # Each engine's worker binds a free port for its KV peer server and reports it.
         configs = [replace(vcfg, kv_peer_port=0)] * count
     try:
-        from engines import vllm_actor
+        from wasma.engines import vllm_actor
     except ImportError:
-        from engines.vllm_engine import VLLMEngine
+        from wasma.engines.vllm_engine import VLLMEngine
 
         return list(
             await launch_all(VLLMEngine.launch(f"vllm{i}", c) for i, c in enumerate(configs))

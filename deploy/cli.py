@@ -232,7 +232,7 @@ def parse_params(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], profile: Any) -> None:
     """Build each policy once with its parameters, so a bad one fails before any run."""
-    from scheduler.registry import default_registry
+    from wasma.scheduler.registry import default_registry
 
     reg = default_registry()
     for pol in policies:
@@ -243,9 +243,9 @@ def check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], pro
 
 
 def _cmd_trace_gen(args: argparse.Namespace) -> int:
-    from benchmarks.apps import generate
-    from engines.sim.profile import load_profile
-    from scheduler.trace import write_trace
+    from wasma.benchmarks.apps import generate
+    from wasma.engines.sim.profile import load_profile
+    from wasma.scheduler.trace import write_trace
 
     profile = load_profile(args.profile)
     wfs = generate(
@@ -271,11 +271,11 @@ def _cmd_trace_gen(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from benchmarks.bench import bench
-    from benchmarks.report import table
-    from engines.sim.profile import load_profile
-    from scheduler.registry import default_registry
-    from scheduler.trace import load_trace
+    from wasma.benchmarks.bench import bench
+    from wasma.benchmarks.report import table
+    from wasma.engines.sim.profile import load_profile
+    from wasma.scheduler.registry import default_registry
+    from wasma.scheduler.trace import load_trace
 
     if not args.rates and not args.sweep:
         args.rates = [1.0]
@@ -323,7 +323,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _topology_preset(value: str) -> str:
     """`preset:NAME` (or NAME) of a topology preset, as `wasma bench --topology` takes it."""
-    from transfer.presets import SHAPES
+    from wasma.transfer.presets import SHAPES
 
     name = value.removeprefix("preset:")
     if name not in SHAPES:
@@ -335,25 +335,25 @@ def _topology_preset(value: str) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from transfer.cli import plan_main
+    from wasma.transfer.cli import plan_main
 
     return plan_main(list(args.rest))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from deploy.serve import serve_main
+    from wasma.deploy.serve import serve_main
 
     return serve_main(args)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from benchmarks.replay import replay_main
+    from wasma.benchmarks.replay import replay_main
 
     return replay_main(args)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     path = write_tiny_model(args.dir)
     print(f"wrote a tiny random Llama to {path} (its text is noise; it exists to exercise vLLM)")
@@ -361,15 +361,15 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from engines.sim.profile import ProfileError
-    from scheduler.registry import UnknownPolicy
-    from scheduler.trace import TraceError
-    from scheduler.workflow import WorkflowError
+    from wasma.engines.sim.profile import ProfileError
+    from wasma.scheduler.registry import UnknownPolicy
+    from wasma.scheduler.trace import TraceError
+    from wasma.scheduler.workflow import WorkflowError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         # The planner owns its flags; argparse's REMAINDER cannot forward leading options.
-        from transfer.cli import plan_main
+        from wasma.transfer.cli import plan_main
 
         return plan_main(argv[1:])
     parser = build_parser()

@@ -36,7 +36,7 @@ def _free_port() -> int:
 def running_server(args: list[str], log: Path, url: str, timeout_s: float) -> Iterator[None]:
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", *args],
+            [sys.executable, "-m", "wasma.deploy.cli", "serve", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(str(out / "tiny-llama")))
     print(f"tiny model at {model} (random weights: its text is noise)")

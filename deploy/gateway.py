@@ -30,8 +30,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deploy.metadata import MetadataError, workflow_identity
-from deploy.openai_api import (
+from wasma.deploy.metadata import MetadataError, workflow_identity
+from wasma.deploy.openai_api import (
     DONE_EVENT,
     ApiError,
     ChatCompletionRequest,
@@ -46,9 +46,9 @@ from deploy.openai_api import (
     prompt_of,
     usage,
 )
-from deploy.router_client import RouterClient, TokenStream
-from deploy.router_service import ServiceError, ServiceRequest, tenant_of
-from deploy.tokenizer import Tokenizer
+from wasma.deploy.router_client import RouterClient, TokenStream
+from wasma.deploy.router_service import ServiceError, ServiceRequest, tenant_of
+from wasma.deploy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

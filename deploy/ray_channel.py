@@ -21,14 +21,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from deploy.router_service import (
+from wasma.deploy.router_service import (
     RouterService,
     ServiceError,
     ServiceRequest,
     ServiceResult,
     Unavailable,
 )
-from engines.base import TokenChunk
+from wasma.engines.base import TokenChunk
 
 log = logging.getLogger(__name__)
 

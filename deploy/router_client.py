@@ -10,15 +10,15 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
-from deploy.ray_channel import ChannelClient
-from deploy.router_service import (
+from wasma.deploy.ray_channel import ChannelClient
+from wasma.deploy.router_service import (
     RouterService,
     ServiceError,
     ServiceRequest,
     ServiceResult,
     Unavailable,
 )
-from engines.base import TokenChunk
+from wasma.engines.base import TokenChunk
 
 
 class TokenStream(Protocol):

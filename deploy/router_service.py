@@ -25,32 +25,32 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from deploy.journal import WorkflowJournal
-from deploy.metadata import WorkflowIdentity
-from deploy.metrics import WasmaMetrics
-from engines.base import (
+from wasma.deploy.journal import WorkflowJournal
+from wasma.deploy.metadata import WorkflowIdentity
+from wasma.deploy.metrics import WasmaMetrics
+from wasma.engines.base import (
     DEFAULT_RETAIN_S,
     EngineClient,
     GenerateRequest,
     KVEvent,
     TokenChunk,
 )
-from engines.sim.profile import Profile
-from scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
-from scheduler.policy import (
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
+from wasma.scheduler.policy import (
     NoHealthyEngine,
     Placement,
     PolicyContext,
     RequestInfo,
 )
-from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import TransferPricer
-from scheduler.registry import PolicyRegistry, default_registry
-from scheduler.router import Router
-from scheduler.state import ClusterState
-from scheduler.tokens import hash_token_blocks
-from scheduler.workflow import Workflow, WorkflowError
-from scheduler.workflows import WorkflowRegistry, WorkflowState
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.pricing import TransferPricer
+from wasma.scheduler.registry import PolicyRegistry, default_registry
+from wasma.scheduler.router import Router
+from wasma.scheduler.state import ClusterState
+from wasma.scheduler.tokens import hash_token_blocks
+from wasma.scheduler.workflow import Workflow, WorkflowError
+from wasma.scheduler.workflows import WorkflowRegistry, WorkflowState
 
 log = logging.getLogger(__name__)
 
@@ -1165,7 +1165,7 @@ class RouterService:
 
 def _simulated(engine: EngineClient) -> bool:
     """Whether `engine` is the simulator (it runs the profile itself)."""
-    from engines.sim_engine import SimEngine
+    from wasma.engines.sim_engine import SimEngine
 
     return isinstance(engine, SimEngine)
 

@@ -27,7 +27,7 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from deploy.build import (
+from wasma.deploy.build import (
     EngineSpec,
     RouterActor,
     ServiceConfig,
@@ -35,11 +35,11 @@ from deploy.build import (
     free_ports,
     resolve_profile,
 )
-from deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
-from deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
-from deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from engines.base import DEFAULT_RETAIN_S, MAX_RETAIN_S
-from scheduler.calibration import CalibrationConfig
+from wasma.deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
+from wasma.deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
+from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from wasma.engines.base import DEFAULT_RETAIN_S, MAX_RETAIN_S
+from wasma.scheduler.calibration import CalibrationConfig
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class TokenIdsOnly:
     vocab_size = UNKNOWN_VOCAB  # the engines validate ids themselves
 
     def encode(self, text: str) -> list[int]:
-        from deploy.openai_api import ApiError
+        from wasma.deploy.openai_api import ApiError
 
         raise ApiError(
             400,
@@ -335,7 +335,7 @@ def serve_main(args: argparse.Namespace) -> int:
         retain_lease_s=_lease(file_cfg.get("retain_lease_s", DEFAULT_RETAIN_S)),
         **_reliability(file_cfg.get("reliability") or {}),
     )
-    from scheduler.registry import default_registry
+    from wasma.scheduler.registry import default_registry
 
     named = file_cfg.get("policy_name")
     if named and named != cfg.policy:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.metrics import WasmaMetrics
+from wasma.deploy.metrics import WasmaMetrics
 
 
 @dataclass(frozen=True)

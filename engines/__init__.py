@@ -1,6 +1,6 @@
 """Engines: one interface, several implementations (simulated, vLLM in Ray, remote vLLM)."""
 
-from engines.base import (
+from wasma.engines.base import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -10,8 +10,8 @@ from engines.base import (
     KVEvent,
     TokenChunk,
 )
-from engines.sim.core import SimEngineCore, SimRequest
-from engines.sim.profile import Profile, ProfileError, load_profile
+from wasma.engines.sim.core import SimEngineCore, SimRequest
+from wasma.engines.sim.profile import Profile, ProfileError, load_profile
 
 __all__ = [
     "AllBlocksCleared",

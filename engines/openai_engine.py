@@ -6,7 +6,7 @@
   `prompt_tokens_details.cached_tokens` when started with `--enable-prompt-tokens-details`);
 - load: `/metrics` scraped every `scrape_interval_s` into `EngineStats`;
 - KV events: the server's ZMQ publisher (`--kv-events-config`), msgpack `KVEventBatch`es,
-  re-keyed by wasma chain hashes over their token ids (the translator `engines.vllm_engine`
+  re-keyed by wasma chain hashes over their token ids (the translator `wasma.engines.vllm_engine`
   uses for in-process engines), so the cluster prefix index matches what the router
   hashes, without knowing the server's hash seed (Dynamo's approach).
 """
@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
-from engines.base import (
+from wasma.deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
+from wasma.engines.base import (
     EngineClient,
     EngineStats,
     GenerateRequest,
@@ -36,7 +36,7 @@ from engines.base import (
     deliver_kv_events,
     start_or_close,
 )
-from engines.vllm_engine import KVEventTranslator
+from wasma.engines.vllm_engine import KVEventTranslator
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ class OpenAIEngine(EngineClient):
         xargs = request.retention_args()
         if xargs:
             # Read by wasma's retaining scheduler (`--scheduler-cls
-            # engines.vllm_retention.WasmaScheduler`); other servers ignore them.
+            # wasma.engines.vllm_retention.WasmaScheduler`); other servers ignore them.
             body["vllm_xargs"] = xargs
         return body
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engines.base import (
+from wasma.engines.base import (
     EngineClient,
     EngineStats,
     GenerateRequest,
@@ -28,9 +28,9 @@ from engines.base import (
     KVEventSink,
     TokenChunk,
 )
-from engines.sim.core import SimEngineCore, SimRequest, StepOutcome
-from engines.sim.profile import Profile
-from scheduler.tokens import hash_token_blocks
+from wasma.engines.sim.core import SimEngineCore, SimRequest, StepOutcome
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.tokens import hash_token_blocks
 
 # Token ids below this are left to special tokens (BOS/EOS/PAD), as TokenMaterialiser does.
 _LOW_TOKEN = 16

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines.base import (
+from wasma.engines.base import (
     EngineClient,
     EngineStats,
     GenerateRequest,
@@ -24,7 +24,7 @@ from engines.base import (
     deliver_kv_events,
     start_or_close,
 )
-from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engines.base import (
+from wasma.engines.base import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -41,16 +41,16 @@ from engines.base import (
     deliver_kv_events,
     start_or_close,
 )
-from scheduler.tokens import ROOT_HASH, hash_token_blocks
+from wasma.scheduler.tokens import ROOT_HASH, hash_token_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 
-# engines.vllm_retention.WasmaScheduler, named here so that this module does not import
+# wasma.engines.vllm_retention.WasmaScheduler, named here so that this module does not import
 # vLLM before an engine starts (the engine core resolves the name).
-RETAINING_SCHEDULER = "engines.vllm_retention.WasmaScheduler"
+RETAINING_SCHEDULER = "wasma.engines.vllm_retention.WasmaScheduler"
 
 GiB = 1 << 30
 # KV loads an engine reports back (EngineStats.kv_loads): more than land between two of
@@ -153,7 +153,7 @@ def _stat_logger_factory(box: _LatestStats) -> Any:
             if pcs is not None:
                 box.queries_tokens += pcs.queries
                 box.hits_tokens += pcs.hits
-            # The wasma connector's loads that ended this step (transfer.vllm_connector.
+            # The wasma connector's loads that ended this step (wasma.transfer.vllm_connector.
             # WasmaLoadStats); failed ones were recomputed and moved nothing usable.
             connector = getattr(scheduler_stats, "kv_connector_stats", None) or {}
             for nbytes, seconds, ok in connector.get("loads", ()):
@@ -331,7 +331,7 @@ class VLLMEngine(EngineClient):
                 extra["wasma_address_file"] = os.path.join(address_dir.name, "address")
             kv_transfer = KVTransferConfig(
                 kv_connector="WasmaPeerConnector",
-                kv_connector_module_path="transfer.vllm_connector",
+                kv_connector_module_path="wasma.transfer.vllm_connector",
                 kv_role="kv_both",
                 # A dead or corrupt peer costs a recompute, never the request.
                 kv_load_failure_policy="recompute",

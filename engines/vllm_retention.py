@@ -20,7 +20,7 @@ lease that nobody renews lapses on its own, so a router that dies leaves nothing
 
 Engines wasma starts use it (`VLLMEngineConfig.retention`). For a vLLM server of your
 own, install wasma beside it and start it with
-`--scheduler-cls engines.vllm_retention.WasmaScheduler`; without it the tag is ignored.
+`--scheduler-cls wasma.engines.vllm_retention.WasmaScheduler`; without it the tag is ignored.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from engines.base import (
+from wasma.engines.base import (
     MAX_RETAIN_S,
     RELEASE_ARG,
     RETAIN_ARG,

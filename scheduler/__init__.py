@@ -1,14 +1,14 @@
 """The scheduler: workflow DAGs, cluster state, prefix index, policies and the router."""
 
-from scheduler.copies import Booking, CopySchedule
-from scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
-from scheduler.prefix_index import PrefixIndex
-from scheduler.registry import PolicyRegistry, UnknownPolicy, default_registry
-from scheduler.router import Router
-from scheduler.state import ClusterState, EngineLoad
-from scheduler.trace import TraceError, load_trace, write_trace
-from scheduler.workflow import Workflow, WorkflowError
-from scheduler.workflows import WorkflowRegistry
+from wasma.scheduler.copies import Booking, CopySchedule
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.registry import PolicyRegistry, UnknownPolicy, default_registry
+from wasma.scheduler.router import Router
+from wasma.scheduler.state import ClusterState, EngineLoad
+from wasma.scheduler.trace import TraceError, load_trace, write_trace
+from wasma.scheduler.workflow import Workflow, WorkflowError
+from wasma.scheduler.workflows import WorkflowRegistry
 
 __all__ = [
     "Booking",

@@ -22,7 +22,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from scheduler.workflows import WorkflowState
+from wasma.scheduler.workflows import WorkflowState
 
 _DIGITS = re.compile(r"\d+")
 

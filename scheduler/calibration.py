@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from engines.sim.profile import Profile, StepModel
+from wasma.engines.sim.profile import Profile, StepModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.pricing import TransferPricer
+from wasma.scheduler.pricing import TransferPricer
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from engines.sim.profile import Profile
-from scheduler.app_shapes import AppShapes
-from scheduler.copies import CopySchedule
-from scheduler.estimate_bias import EstimateBias
-from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import TransferPricer
-from scheduler.state import ClusterState
-from scheduler.workflow import finite_number
-from scheduler.workflows import WorkflowRegistry
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.app_shapes import AppShapes
+from wasma.scheduler.copies import CopySchedule
+from wasma.scheduler.estimate_bias import EstimateBias
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.pricing import TransferPricer
+from wasma.scheduler.state import ClusterState
+from wasma.scheduler.workflow import finite_number
+from wasma.scheduler.workflows import WorkflowRegistry
 
 
 class PlacementKind(StrEnum):

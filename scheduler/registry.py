@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engines.sim.profile import Profile
-from scheduler.policies.baselines import KVAware, LeastLoaded, PrefixAware, RoundRobin, Session
-from scheduler.policies.wasma import Wasma
-from scheduler.policy import Policy, PolicyContext
+from wasma.engines.sim.profile import Profile
+from wasma.scheduler.policies.baselines import (
+    KVAware,
+    LeastLoaded,
+    PrefixAware,
+    RoundRobin,
+    Session,
+)
+from wasma.scheduler.policies.wasma import Wasma
+from wasma.scheduler.policy import Policy, PolicyContext
 
 PolicyFactory = Callable[[PolicyContext], Policy]
 
@@ -40,9 +46,9 @@ class PolicyRegistry:
     def check(self, name: str, params: Mapping[str, Any], profile: Profile) -> None:
         """Build policy `name` once with `params` on a one-engine cluster, so a bad name
         or parameter fails (ValueError, naming it) before any run or server starts."""
-        from scheduler.prefix_index import PrefixIndex
-        from scheduler.state import ClusterState
-        from scheduler.workflows import WorkflowRegistry
+        from wasma.scheduler.prefix_index import PrefixIndex
+        from wasma.scheduler.state import ClusterState
+        from wasma.scheduler.workflows import WorkflowRegistry
 
         ctx = PolicyContext(
             ClusterState(["e0"]), PrefixIndex(["e0"]), WorkflowRegistry(), profile, params=params

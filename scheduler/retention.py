@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.workflow import ContextOf, Workflow
+from wasma.scheduler.workflow import ContextOf, Workflow
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from engines.base import BlockRemoved, BlockStored, KVEvent
-from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
-from scheduler.retention import RetentionTracker
-from scheduler.state import Charge
+from wasma.engines.base import BlockRemoved, BlockStored, KVEvent
+from wasma.scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
+from wasma.scheduler.retention import RetentionTracker
+from wasma.scheduler.state import Charge
 
 
 class Router:

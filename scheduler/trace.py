@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from scheduler.workflow import Workflow, WorkflowError
+from wasma.scheduler.workflow import Workflow, WorkflowError
 
 
 class TraceError(ValueError):

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.workflow import Workflow
+from wasma.scheduler.workflow import Workflow
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from deploy.cli import main
-from scheduler.trace import load_trace
+from wasma.deploy.cli import main
+from wasma.scheduler.trace import load_trace
 
 
 def gen(out: Path, app: str = "debate", n: int = 3, seed: int = 1, rate: str = "2") -> int:
@@ -314,7 +314,7 @@ def test_bench_unknown_policy_parameter_fails_fast_on_one_line(
 def test_error_messages_are_one_line(trace_file: Path, tmp_path: Path) -> None:
     """The console script prints exactly one line for errors it detects itself."""
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *bench_argv(tmp_path / "nope.jsonl", tmp_path)],
+        [sys.executable, "-m", "wasma.deploy.cli", *bench_argv(tmp_path / "nope.jsonl", tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -326,7 +326,12 @@ def test_error_messages_are_one_line(trace_file: Path, tmp_path: Path) -> None:
 
 def test_flag_errors_are_one_line(trace_file: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *bench_argv(trace_file, tmp_path, "--rates", "1,x")],
+        [
+            sys.executable,
+            "-m",
+            "wasma.deploy.cli",
+            *bench_argv(trace_file, tmp_path, "--rates", "1,x"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -348,7 +353,7 @@ def test_bench_request_longer_than_the_model(
 
 
 def test_plan_subcommand_forwards_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    from deploy.cli import main
+    from wasma.deploy.cli import main
 
     rc = main(
         [
@@ -373,8 +378,8 @@ def test_plan_subcommand_forwards_its_flags(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_trace_gen_token_scale_fits_a_small_model(tmp_path: Path) -> None:
-    from deploy.cli import main
-    from scheduler.trace import load_trace
+    from wasma.deploy.cli import main
+    from wasma.scheduler.trace import load_trace
 
     out = tmp_path / "t.jsonl"
     args = [
@@ -467,8 +472,8 @@ def _models_server(status: int) -> Any:
 def test_serve_names_an_openai_engine_that_does_not_answer(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from deploy.build import free_ports
-    from deploy.serve import check_engines_answer
+    from wasma.deploy.build import free_ports
+    from wasma.deploy.serve import check_engines_answer
 
     up, refusing = _models_server(200), _models_server(401)
     try:

@@ -1,19 +1,19 @@
 """Topology-aware KV transfer between engines: the cluster topology, a collective planner
 under the alpha-beta model, executors that move the bytes, and overlap accounting."""
 
-from transfer.cli import plan_main
-from transfer.costmodel import LinkTable, fit_alpha_beta
-from transfer.cpu_executor import CpuExecutor
-from transfer.discovery import discover_local, parse_nvidia_smi_topo
-from transfer.executor import ExecutionResult, Executor, TransferFailed
-from transfer.kv_peer import PeerError, PeerServer, PeerStore
-from transfer.overlap import exposed_per_layer_s, exposed_s, layer_transfer_times_s
-from transfer.plan import Hop, TransferPlan
-from transfer.planner import ALGORITHMS, Planner
-from transfer.presets import build_cpu_cluster, build_preset, load_topology
-from transfer.pricing import BandwidthPricer, LinkModel, TransferPricer
-from transfer.topology import Device, Link, Topology, TopologyBuilder, TopologyError
-from transfer.torch_executor import TorchDistExecutor, torch_available
+from wasma.transfer.cli import plan_main
+from wasma.transfer.costmodel import LinkTable, fit_alpha_beta
+from wasma.transfer.cpu_executor import CpuExecutor
+from wasma.transfer.discovery import discover_local, parse_nvidia_smi_topo
+from wasma.transfer.executor import ExecutionResult, Executor, TransferFailed
+from wasma.transfer.kv_peer import PeerError, PeerServer, PeerStore
+from wasma.transfer.overlap import exposed_per_layer_s, exposed_s, layer_transfer_times_s
+from wasma.transfer.plan import Hop, TransferPlan
+from wasma.transfer.planner import ALGORITHMS, Planner
+from wasma.transfer.presets import build_cpu_cluster, build_preset, load_topology
+from wasma.transfer.pricing import BandwidthPricer, LinkModel, TransferPricer
+from wasma.transfer.topology import Device, Link, Topology, TopologyBuilder, TopologyError
+from wasma.transfer.torch_executor import TorchDistExecutor, torch_available
 
 __all__ = [
     "ALGORITHMS",
@@ -49,5 +49,5 @@ __all__ = [
     "plan_main",
     "torch_available",
 ]
-# transfer.vllm_connector (the vLLM KV connector) is not imported here: it needs vLLM, and
+# wasma.transfer.vllm_connector (the vLLM KV connector) is not imported here: it needs vLLM, and
 # vLLM loads it by module path.

@@ -17,8 +17,8 @@ from dataclasses import replace
 import networkx as nx
 import numpy as np
 
-from transfer.costmodel import LinkTable
-from transfer.plan import Hop
+from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.plan import Hop
 
 # Bytes used to rank "near" destinations: big enough that bandwidth matters, small enough
 # that latency still breaks ties between equally wide paths.

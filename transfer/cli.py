@@ -7,10 +7,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from transfer.planner import ALGORITHMS, Planner
-from transfer.presets import load_topology
-from transfer.topology import TopologyError
-from transfer.units import parse_size
+from wasma.transfer.planner import ALGORITHMS, Planner
+from wasma.transfer.presets import load_topology
+from wasma.transfer.topology import TopologyError
+from wasma.transfer.units import parse_size
 
 USAGE_ERROR = 2
 

@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from transfer.plan import Hop
-from transfer.topology import Topology, TopologyError
+from wasma.transfer.plan import Hop
+from wasma.transfer.topology import Topology, TopologyError
 
 DirectedLink = tuple[str, str]
 

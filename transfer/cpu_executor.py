@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from transfer.executor import ExecutionResult, Executor, TransferFailed, pattern
-from transfer.plan import Hop, TransferPlan
-from transfer.topology import Topology
+from wasma.transfer.executor import ExecutionResult, Executor, TransferFailed, pattern
+from wasma.transfer.plan import Hop, TransferPlan
+from wasma.transfer.topology import Topology
 
 PAGE_BYTES = 4096
 TRANSPORTS = ("auto", "shm", "tcp")

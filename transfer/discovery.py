@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 
-from transfer.topology import Topology, TopologyBuilder, TopologyError
+from wasma.transfer.topology import Topology, TopologyBuilder, TopologyError
 
 NVLINK_PER_LINK_Bps = 25e9  # NVLink 3/4, per link per direction
 _DEVICE = re.compile(r"^(GPU|NIC)(\d+)$")

@@ -8,7 +8,7 @@ from types import TracebackType
 
 import numpy as np
 
-from transfer.plan import TransferPlan
+from wasma.transfer.plan import TransferPlan
 
 
 @dataclass(frozen=True)

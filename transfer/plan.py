@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from transfer.units import format_bytes, format_seconds
+from wasma.transfer.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from transfer import algorithms as alg
-from transfer.costmodel import LinkTable
-from transfer.plan import Hop, TransferPlan
-from transfer.topology import Topology, TopologyError
+from wasma.transfer import algorithms as alg
+from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.plan import Hop, TransferPlan
+from wasma.transfer.topology import Topology, TopologyError
 
 ALGORITHMS = (
     "direct",

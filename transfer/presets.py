@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.topology import Topology, TopologyBuilder, TopologyError
+from wasma.transfer.topology import Topology, TopologyBuilder, TopologyError
 
 
 @dataclass(frozen=True)

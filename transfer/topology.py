@@ -15,7 +15,7 @@ from typing import Any
 import networkx as nx
 import yaml
 
-from transfer.units import parse_bandwidth, parse_latency
+from wasma.transfer.units import parse_bandwidth, parse_latency
 
 # What a node can be. GPUs are the endpoints that hold KV; everything else only forwards.
 DEVICE_KINDS = frozenset({"gpu", "nvswitch", "pcie_switch", "cpu", "nic", "switch"})

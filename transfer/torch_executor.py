@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from transfer.executor import ExecutionResult, Executor, TransferFailed, pattern
-from transfer.plan import Hop, TransferPlan, check_plan
+from wasma.transfer.executor import ExecutionResult, Executor, TransferFailed, pattern
+from wasma.transfer.plan import Hop, TransferPlan, check_plan
 
 BACKENDS = ("nccl", "gloo")
 

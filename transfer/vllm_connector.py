@@ -2,7 +2,7 @@
 
 Load it with
     kv_transfer_config={"kv_connector": "WasmaPeerConnector",
-                        "kv_connector_module_path": "transfer.vllm_connector",
+                        "kv_connector_module_path": "wasma.transfer.vllm_connector",
                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                         "kv_connector_extra_config": {"wasma_listen": "127.0.0.1:7001"}}
 ("127.0.0.1:0" binds a free port; with "wasma_address_file": PATH the worker writes the
@@ -13,7 +13,7 @@ optionally "wasma_mode": "prefetch" (load while the request waits, vLLM's asynch
 load) instead of the default "layerwise" (load during its forward pass).
 
 Every engine publishes the full blocks of each prompt it prefills to its own peer server
-(`transfer.kv_peer`). An engine given a peer asks it how many leading blocks of the prompt
+(`wasma.transfer.kv_peer`). An engine given a peer asks it how many leading blocks of the prompt
 it holds, allocates them, and during the forward pass streams them in layer by layer:
 `wait_for_layer_load` waits only for the layer about to run, so layer i computes while
 layer i+1 is still arriving. A dead peer or a bad checksum marks the blocks invalid (or
@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from transfer.kv_peer import (
+from wasma.transfer.kv_peer import (
     LayerBlocks,
     PeerBackoff,
     PeerError,

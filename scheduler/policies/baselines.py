@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from scheduler.policy import Placement, Policy, PolicyContext, RequestInfo, kind_for
+from wasma.scheduler.policy import Placement, Policy, PolicyContext, RequestInfo, kind_for
 
 
 class RoundRobin(Policy):

@@ -44,7 +44,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from scheduler.policy import (
+from wasma.scheduler.policy import (
     Placement,
     PlacementKind,
     Policy,
@@ -52,7 +52,7 @@ from scheduler.policy import (
     RequestInfo,
     TransferOrder,
 )
-from scheduler.workflows import WorkflowState
+from wasma.scheduler.workflows import WorkflowState
 
 # Priority classes: vLLM runs lower numbers first.
 _HOPELESS = 1_000_000

@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from benchmarks.apps import generate
-from benchmarks.kv_pressure import pressure_profile
-from benchmarks.sim_replay import SimReplay
-from engines.base import EngineStats
-from engines.sim.profile import load_profile
-from scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
-from scheduler.prefix_index import PrefixIndex
-from scheduler.registry import PolicyRegistry, default_registry
-from scheduler.state import Charge, ClusterState
-from scheduler.workflow import Node, OutputOf, Unique, Workflow
-from scheduler.workflows import WorkflowRegistry
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.kv_pressure import pressure_profile
+from wasma.benchmarks.sim_replay import SimReplay
+from wasma.engines.base import EngineStats
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.registry import PolicyRegistry, default_registry
+from wasma.scheduler.state import Charge, ClusterState
+from wasma.scheduler.workflow import Node, OutputOf, Unique, Workflow
+from wasma.scheduler.workflows import WorkflowRegistry
 
 PROF = load_profile("llama3-8b-h100")
 NO_HOLDS = {"admission": False, "hopeless_slowdown": 1e9}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.apps import app_specs, critical_path_alone_s, generate
-from engines.sim.profile import load_profile
-from scheduler.tokens import Piece
-from scheduler.workflow import ContextOf, OutputOf, Shared, Workflow
+from wasma.benchmarks.apps import app_specs, critical_path_alone_s, generate
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.tokens import Piece
+from wasma.scheduler.workflow import ContextOf, OutputOf, Shared, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")
 APPS = ["pipeline", "mapreduce", "debate"]

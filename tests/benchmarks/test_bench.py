@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks.apps import generate
-from benchmarks.bench import CAPACITY_ATTAINMENT, CapacitySearch, RunSpec, bench, run_one
-from benchmarks.report import table
-from engines.sim.profile import load_profile
-from scheduler.trace import write_trace
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.bench import CAPACITY_ATTAINMENT, CapacitySearch, RunSpec, bench, run_one
+from wasma.benchmarks.report import table
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.trace import write_trace
 
 PROFILE = load_profile("llama3-8b-h100")
 
@@ -144,7 +144,7 @@ def test_bench_sweep_reports_capacity(tiny_trace: str, tmp_path: Path) -> None:
 
 
 def test_run_all_returns_rows_in_the_order_of_the_specs() -> None:
-    from benchmarks.bench import Runner
+    from wasma.benchmarks.bench import Runner
 
     class LastFirst(Runner):
         """Runs finish in reverse order of submission."""

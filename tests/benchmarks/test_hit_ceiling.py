@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.apps import generate
-from benchmarks.metrics import prefix_hit_ceiling, summarize
-from benchmarks.sim_replay import SimReplay
-from engines.sim.profile import load_profile
-from scheduler.workflow import ContextOf, Node, Shared, Unique, Workflow
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.metrics import prefix_hit_ceiling, summarize
+from wasma.benchmarks.sim_replay import SimReplay
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.workflow import ContextOf, Node, Shared, Unique, Workflow
 
 
 def _wf(wid: str, arrival: float, nodes: list[Node]) -> Workflow:

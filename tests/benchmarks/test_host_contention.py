@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.host_contention import contention, write_contention
-from engines.sim.profile import load_profile
+from wasma.benchmarks.host_contention import contention, write_contention
+from wasma.engines.sim.profile import load_profile
 
 
 def test_contention_is_the_median_slowdown_never_negative() -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.apps import generate
-from benchmarks.bench import RunSpec, run_one
-from benchmarks.kv_pressure import main, pressure_profile, variants
-from engines.sim.profile import load_profile
-from scheduler.trace import write_trace
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.bench import RunSpec, run_one
+from wasma.benchmarks.kv_pressure import main, pressure_profile, variants
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.trace import write_trace
 
 BASE = load_profile("llama3-8b-h100")
 

@@ -8,12 +8,12 @@ from functools import cache
 
 import pytest
 
-from benchmarks.apps import generate
-from benchmarks.metrics import percentile, summarize
-from benchmarks.sim_replay import RunResult, SimReplay
-from engines.sim.profile import Profile, load_profile
-from scheduler.registry import PolicyRegistry
-from scheduler.workflow import Node, Unique, Workflow
+from wasma.benchmarks.apps import generate
+from wasma.benchmarks.metrics import percentile, summarize
+from wasma.benchmarks.sim_replay import RunResult, SimReplay
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.scheduler.registry import PolicyRegistry
+from wasma.scheduler.workflow import Node, Unique, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")
 POLICIES = ["round_robin", "least_loaded", "prefix_aware", "kv_aware", "session", "wasma"]
@@ -236,8 +236,8 @@ def test_retention_lasts_the_lease_after_the_request_finishes(
     """As the live router's lease to vLLM (`retain_by_use=False`): the planner's KV (its
     worker extends it) is retained from placement until the lease after it finishes: the
     policy's, or else the driver's default."""
-    from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-    from scheduler.workflow import ContextOf
+    from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+    from wasma.scheduler.workflow import ContextOf
 
     class Retains(Policy):
         name = "retains"
@@ -276,7 +276,7 @@ def test_retention_lasts_the_lease_after_the_request_finishes(
 def _retaining_registry(use_s: float | None) -> PolicyRegistry:
     """A policy that puts everything on engine 0 and retains every node's context for
     1,000 s, saying its readers start `use_s` after placement (None: unsaid)."""
-    from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+    from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 
     class Retains(Policy):
         name = "retains"
@@ -296,7 +296,7 @@ def test_a_retention_ends_once_its_readers_started_with_the_next_request_there()
     extend it have prefilled (they hold it then), not for the rest of a long lease; the
     release reaches the engine with the next request placed there. The workers' own
     retentions (no reader) last their lease."""
-    from scheduler.workflow import ContextOf
+    from wasma.scheduler.workflow import ContextOf
 
     wf = Workflow.create(
         "w1",
@@ -331,7 +331,7 @@ def test_a_retention_ends_once_its_readers_started_with_the_next_request_there()
 
 
 def test_wasma_sizes_the_lease_to_the_work_left_after_the_node() -> None:
-    from scheduler.policies.wasma import _lease_s
+    from wasma.scheduler.policies.wasma import _lease_s
 
     assert _lease_s(None) is None
     assert _lease_s(0.1) == 1.0  # never under a second
@@ -345,7 +345,7 @@ def test_copies_land_when_the_router_booked_them(broadcast: bool) -> None:
     link; the simulated network lands every copy exactly then (same planner, same
     order), so its links end where the router's book does. On PCIe, siblings spread
     from one holder, and their copies ride one broadcast or queue."""
-    from benchmarks.sim_replay import topology_pricer
+    from wasma.benchmarks.sim_replay import topology_pricer
 
     names = [f"e{i}" for i in range(8)]
     sim = SimReplay(

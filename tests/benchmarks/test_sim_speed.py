@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sim_speed import main, measure
+from wasma.benchmarks.sim_speed import main, measure
 
 
 def test_measure_reports_requests_per_cpu_second_at_a_token_scale() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.target_seeds import main, summary_markdown, targets
+from wasma.benchmarks.target_seeds import main, summary_markdown, targets
 
 
 def _row(app: str, seed: int, load: float, policy: str, p95: float, goodput: float) -> dict:

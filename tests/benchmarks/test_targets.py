@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.targets import ABLATIONS, OPTIONS, SWEPT, targets_markdown
+from wasma.benchmarks.targets import ABLATIONS, OPTIONS, SWEPT, targets_markdown
 
 
 def _row(policy: str, scale: float, attainment: float, **extra: Any) -> dict[str, Any]:

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from benchmarks.kv_pressure import pressure_profile
-from deploy.metadata import WorkflowIdentity
-from deploy.router_service import BadRequest, RouterService, ServiceRequest
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
-from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-from scheduler.registry import PolicyRegistry
+from wasma.benchmarks.kv_pressure import pressure_profile
+from wasma.deploy.metadata import WorkflowIdentity
+from wasma.deploy.router_service import BadRequest, RouterService, ServiceRequest
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from wasma.scheduler.registry import PolicyRegistry
 
 PROFILE = load_profile("llama3-8b-h100")
 
@@ -183,8 +183,8 @@ async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: 
 
 
 async def test_max_hold_s_from_the_config_file_reaches_the_router(tmp_path: Path) -> None:
-    from deploy.build import EngineSpec, ServiceConfig, build_service
-    from deploy.serve import ConfigError, _reliability, load_config_file
+    from wasma.deploy.build import EngineSpec, ServiceConfig, build_service
+    from wasma.deploy.serve import ConfigError, _reliability, load_config_file
 
     path = tmp_path / "wasma.yaml"
     path.write_text("reliability:\n  max_hold_s: 12\n")

@@ -15,7 +15,7 @@ import promql_parser
 import pytest
 import yaml
 
-from deploy.metrics import WasmaMetrics
+from wasma.deploy.metrics import WasmaMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "wasma-dashboard.json"

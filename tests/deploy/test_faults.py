@@ -16,21 +16,21 @@ from typing import Any
 import httpx
 import pytest
 
-from benchmarks.replay import Replayer
-from deploy.gateway import GatewayConfig, create_app
-from deploy.journal import WorkflowJournal
-from deploy.metadata import WorkflowIdentity
-from deploy.router_client import LocalRouterClient, RouterClient
-from deploy.router_service import (
+from wasma.benchmarks.replay import Replayer
+from wasma.deploy.gateway import GatewayConfig, create_app
+from wasma.deploy.journal import WorkflowJournal
+from wasma.deploy.metadata import WorkflowIdentity
+from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_service import (
     BadRequest,
     NotFound,
     RouterService,
     ServiceRequest,
     Unavailable,
 )
-from deploy.serve import ServerThread
-from deploy.tokenizer import ByteTokenizer
-from engines.base import (
+from wasma.deploy.serve import ServerThread
+from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.engines.base import (
     EngineClient,
     EngineStats,
     GenerateRequest,
@@ -38,12 +38,12 @@ from engines.base import (
     TokenChunk,
     launch_all,
 )
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
-from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-from scheduler.registry import PolicyRegistry
-from scheduler.tokens import hash_token_blocks
-from scheduler.workflow import Workflow
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from wasma.scheduler.registry import PolicyRegistry
+from wasma.scheduler.tokens import hash_token_blocks
+from wasma.scheduler.workflow import Workflow
 
 FAST: dict[str, Any] = {
     "stats_interval_s": 0.05,
@@ -433,8 +433,8 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     pytest.importorskip("vllm")
-    from engines.tiny_model import VOCAB_SIZE, write_tiny_model
-    from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from wasma.engines.tiny_model import VOCAB_SIZE, write_tiny_model
+    from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
     holder: dict[str, Any] = {}
@@ -486,8 +486,8 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
 
 def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
-    from deploy.build import EngineSpec, ServiceConfig
-    from deploy.serve import gateway_setup, ray_router_factory
+    from wasma.deploy.build import EngineSpec, ServiceConfig
+    from wasma.deploy.serve import gateway_setup, ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -541,7 +541,7 @@ def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -
 async def test_a_service_that_cannot_start_closes_the_engines_it_launched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deploy import build
+    from wasma.deploy import build
 
     launched = _engines(2)
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.build import EngineSpec, ServiceConfig
-from deploy.gateway import create_app
-from deploy.serve import ServerThread, gateway_setup, local_router_factory
+from wasma.deploy.build import EngineSpec, ServiceConfig
+from wasma.deploy.gateway import create_app
+from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
 
 KEY = "fuzz-key-0123456789"
 ENDPOINTS = [

@@ -15,17 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.build import EngineSpec, ServiceConfig
-from deploy.gateway import GatewayConfig, create_app
-from deploy.router_client import LocalRouterClient, RouterClient
-from deploy.router_service import RouterService
-from deploy.serve import ServerThread, gateway_setup, local_router_factory
-from deploy.tokenizer import ByteTokenizer
-from engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
-from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-from scheduler.registry import PolicyRegistry
+from wasma.deploy.build import EngineSpec, ServiceConfig
+from wasma.deploy.gateway import GatewayConfig, create_app
+from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
+from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from wasma.scheduler.registry import PolicyRegistry
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 MODEL = "wasma-sim"
@@ -498,7 +498,7 @@ def test_past_the_admission_limit_is_429_with_retry_after() -> None:
 
 def test_router_in_a_ray_actor() -> None:
     ray = pytest.importorskip("ray")
-    from deploy.serve import ray_router_factory
+    from wasma.deploy.serve import ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from deploy.serve import ServerThread
+from wasma.deploy.serve import ServerThread
 
 pytestmark = pytest.mark.vllm
 
@@ -25,18 +25,18 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
-    from deploy.gateway import GatewayConfig, create_app
-    from deploy.router_client import LocalRouterClient, RouterClient
-    from deploy.router_service import RouterService
-    from deploy.tokenizer import HFTokenizer
-    from engines.sim.profile import load_profile
-    from engines.tiny_model import write_tiny_model
-    from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from wasma.deploy.gateway import GatewayConfig, create_app
+    from wasma.deploy.router_client import LocalRouterClient, RouterClient
+    from wasma.deploy.router_service import RouterService
+    from wasma.deploy.tokenizer import HFTokenizer
+    from wasma.engines.sim.profile import load_profile
+    from wasma.engines.tiny_model import write_tiny_model
+    from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
 
     async def factory() -> RouterClient:
-        from engines.base import launch_all
+        from wasma.engines.base import launch_all
 
         cfg = VLLMEngineConfig(model=model)
         engines = await launch_all(VLLMEngine.launch(f"vllm{i}", cfg) for i in range(2))

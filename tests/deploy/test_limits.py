@@ -11,14 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from deploy.gateway import GatewayConfig, create_app
-from deploy.metadata import WorkflowIdentity
-from deploy.router_client import LocalRouterClient, RouterClient
-from deploy.router_service import RouterService, ServiceRequest
-from deploy.serve import ServerThread, free_port
-from deploy.tokenizer import ByteTokenizer
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
+from wasma.deploy.gateway import GatewayConfig, create_app
+from wasma.deploy.metadata import WorkflowIdentity
+from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.serve import ServerThread, free_port
+from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
 
 KEY = "sk-secret-key-0123456789abcdef"
 LIMITS = GatewayConfig(

@@ -17,16 +17,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deploy.build import EngineSpec, ServiceConfig
-from deploy.gateway import Gateway, GatewayConfig, create_app
-from deploy.router_service import RouterService, ServiceRequest
-from deploy.serve import ServerThread, local_router_factory
-from deploy.tokenizer import ByteTokenizer
-from deploy.vllm_metrics import parse_vllm_metrics
-from engines.base import GenerateRequest, TokenChunk
-from engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
+from wasma.deploy.build import EngineSpec, ServiceConfig
+from wasma.deploy.gateway import Gateway, GatewayConfig, create_app
+from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.serve import ServerThread, local_router_factory
+from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.deploy.vllm_metrics import parse_vllm_metrics
+from wasma.engines.base import GenerateRequest, TokenChunk
+from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
 
 # A vLLM 0.32 /metrics page in miniature: typed families, histograms nobody reads, and
 # the samples the router needs.
@@ -219,7 +219,7 @@ async def test_client_errors_are_value_errors_server_errors_engine_faults(
 
 
 async def test_dead_server_is_an_engine_fault() -> None:
-    from deploy.serve import free_port
+    from wasma.deploy.serve import free_port
 
     engine = OpenAIEngine("gone", f"http://127.0.0.1:{free_port()}", model="m", block_size=32)
     engine._use_aiohttp = True
@@ -234,7 +234,7 @@ async def test_dead_server_is_an_engine_fault() -> None:
 
 
 def test_metrics_trimmed_to_the_read_samples_parse_the_same() -> None:
-    from engines.openai_engine import _metric_prefixes
+    from wasma.engines.openai_engine import _metric_prefixes
 
     trimmed = wanted_metric_lines(METRICS, _metric_prefixes())
     assert "bucket" not in trimmed and "#" not in trimmed
@@ -249,7 +249,7 @@ async def test_router_service_learns_engine_speed_and_rebuilds_the_cost_model() 
     router's calibrator sees it in the requests' timings and the wasma policy is rebuilt
     on a profile scaled toward it; placement goes on working throughout."""
     true_profile = load_profile("tiny-cpu")
-    from scheduler.calibration import CalibrationConfig, scaled_profile
+    from wasma.scheduler.calibration import CalibrationConfig, scaled_profile
 
     slow = scaled_profile(true_profile, 4.0, 4.0)
     engines = [SimEngine(f"s{i}", slow, speed=1.0) for i in range(2)]
@@ -343,7 +343,7 @@ def test_long_prompts_are_tokenised_off_the_event_loop() -> None:
 
 
 async def test_calibration_can_be_turned_off_and_the_fitted_profile_returns() -> None:
-    from scheduler.calibration import scaled_profile
+    from wasma.scheduler.calibration import scaled_profile
 
     profile = load_profile("tiny-cpu")
     svc = RouterService(
@@ -358,8 +358,8 @@ async def test_calibration_can_be_turned_off_and_the_fitted_profile_returns() ->
 
 
 def test_config_file_calibration_setting(tmp_path: Any) -> None:
-    from deploy.serve import ConfigError, calibration_setting, load_config_file
-    from scheduler.calibration import CalibrationConfig
+    from wasma.deploy.serve import ConfigError, calibration_setting, load_config_file
+    from wasma.scheduler.calibration import CalibrationConfig
 
     path = tmp_path / "c.yaml"
     path.write_text("calibration: false\n")

@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.serve import ServerThread
-from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo, TransferOrder
+from wasma.deploy.serve import ServerThread
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo, TransferOrder
 
 pytestmark = pytest.mark.vllm
 
@@ -49,19 +49,19 @@ class SteeredByNodeId(Policy):
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
-    from deploy.gateway import GatewayConfig, create_app
-    from deploy.router_client import LocalRouterClient, RouterClient
-    from deploy.router_service import RouterService
-    from deploy.tokenizer import HFTokenizer
-    from engines.sim.profile import load_profile
-    from engines.tiny_model import write_tiny_model
-    from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from scheduler.registry import default_registry
+    from wasma.deploy.gateway import GatewayConfig, create_app
+    from wasma.deploy.router_client import LocalRouterClient, RouterClient
+    from wasma.deploy.router_service import RouterService
+    from wasma.deploy.tokenizer import HFTokenizer
+    from wasma.engines.sim.profile import load_profile
+    from wasma.engines.tiny_model import write_tiny_model
+    from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from wasma.scheduler.registry import default_registry
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
 
     async def factory() -> RouterClient:
-        from engines.base import launch_all
+        from wasma.engines.base import launch_all
 
         engines = await launch_all(
             VLLMEngine.launch(f"vllm{i}", VLLMEngineConfig(model=model, kv_peer_port=0))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.metadata import MetadataError, WorkflowIdentity, workflow_identity
+from wasma.deploy.metadata import MetadataError, WorkflowIdentity, workflow_identity
 
 
 def ident(

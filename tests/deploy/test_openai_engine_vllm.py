@@ -14,7 +14,7 @@ from typing import cast
 
 import pytest
 
-from engines.base import GenerateRequest, TokenChunk
+from wasma.engines.base import GenerateRequest, TokenChunk
 
 pytestmark = pytest.mark.vllm
 
@@ -24,7 +24,7 @@ POOL_BLOCKS = 512
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("vllm")
-    from benchmarks.peers_procs import (
+    from wasma.benchmarks.peers_procs import (
         EngineEndpoint,
         EngineOptions,
         ManagedProcess,
@@ -33,7 +33,7 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         free_port,
         wait_http_ready,
     )
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
     # A pool of 512 blocks (not the profile's 2,048) keeps the retention test's churn short.
@@ -60,7 +60,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 async def test_streams_and_reports_cache_hits(vllm_url: str) -> None:
-    from engines.openai_engine import OpenAIEngine
+    from wasma.engines.openai_engine import OpenAIEngine
 
     engine = OpenAIEngine("v0", vllm_url)
     await engine.start()
@@ -88,7 +88,7 @@ async def test_streams_and_reports_cache_hits(vllm_url: str) -> None:
 
 
 async def test_closing_a_stream_aborts_the_request_on_the_server(vllm_url: str) -> None:
-    from engines.openai_engine import OpenAIEngine
+    from wasma.engines.openai_engine import OpenAIEngine
 
     engine = OpenAIEngine("v0", vllm_url)
     await engine.start()
@@ -109,10 +109,10 @@ async def test_closing_a_stream_aborts_the_request_on_the_server(vllm_url: str) 
 
 async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: str) -> None:
     """Over HTTP, a lease reaches `vllm serve` running wasma's scheduler
-    (`--scheduler-cls engines.vllm_retention.WasmaScheduler`, as the peers benchmark starts
+    (`--scheduler-cls wasma.engines.vllm_retention.WasmaScheduler`, as the peers benchmark starts
     every engine): the leased prompt survives churn that evicts an unleased one, and one
     whose lease a later request released by its key (a list in `vllm_xargs`)."""
-    from engines.openai_engine import OpenAIEngine
+    from wasma.engines.openai_engine import OpenAIEngine
 
     engine = OpenAIEngine("v0", vllm_url)
     await engine.start()
@@ -140,10 +140,10 @@ async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: st
 
 
 async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
-    from deploy.router_service import RouterService, ServiceRequest
-    from engines.openai_engine import OpenAIEngine
-    from engines.sim.profile import load_profile
-    from scheduler.calibration import CalibrationConfig
+    from wasma.deploy.router_service import RouterService, ServiceRequest
+    from wasma.engines.openai_engine import OpenAIEngine
+    from wasma.engines.sim.profile import load_profile
+    from wasma.scheduler.calibration import CalibrationConfig
 
     engine = OpenAIEngine("v0", vllm_url)
     await engine.start()
@@ -169,8 +169,8 @@ async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
 def test_peers_speed_probe_times_requests_alone(vllm_url: str) -> None:
     import httpx
 
-    from benchmarks.peers import PROBE_OUTPUT, PROBE_PROMPT, engine_speed
-    from engines.sim.profile import load_profile
+    from wasma.benchmarks.peers import PROBE_OUTPUT, PROBE_PROMPT, engine_speed
+    from wasma.engines.sim.profile import load_profile
 
     model = httpx.get(vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     prof = load_profile("tiny-cpu")

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.replay import Replayer, replay_main
-from deploy.build import EngineSpec, ServiceConfig
-from deploy.gateway import create_app
-from deploy.serve import ServerThread, gateway_setup, local_router_factory
-from scheduler.trace import load_trace, write_trace
-from scheduler.workflow import Workflow
+from wasma.benchmarks.replay import Replayer, replay_main
+from wasma.deploy.build import EngineSpec, ServiceConfig
+from wasma.deploy.gateway import create_app
+from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
+from wasma.scheduler.trace import load_trace, write_trace
+from wasma.scheduler.workflow import Workflow
 
 BENCH_KEYS = {
     "trace", "policy", "rate_scale", "engines", "profile", "workflows", "requests",

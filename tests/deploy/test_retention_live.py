@@ -6,13 +6,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from deploy.metadata import WorkflowIdentity
-from deploy.router_service import RouterService, ServiceRequest
-from engines.base import GenerateRequest, TokenChunk
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine
-from scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
-from scheduler.registry import PolicyRegistry
+from wasma.deploy.metadata import WorkflowIdentity
+from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.engines.base import GenerateRequest, TokenChunk
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine
+from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
+from wasma.scheduler.registry import PolicyRegistry
 
 PROFILE = load_profile("llama3-8b-h100")
 
@@ -181,7 +181,7 @@ async def test_a_retention_moved_by_a_failover_is_released_by_the_routers_id() -
 
 
 async def test_the_config_lease_reaches_the_router() -> None:
-    from deploy.build import EngineSpec, ServiceConfig, build_service
+    from wasma.deploy.build import EngineSpec, ServiceConfig, build_service
 
     cfg = ServiceConfig(engines=EngineSpec.parse("sim:1"), retain_lease_s=30.0)
     svc = await build_service(cfg)

@@ -18,14 +18,14 @@ import pytest_asyncio
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("vllm")
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     return write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
-    from engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     engine = await VLLMEngine.launch("e0", VLLMEngineConfig(model=str(tiny_model_dir)))
     try:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.sim.kv_cache import KVCache
+from wasma.engines.sim.kv_cache import KVCache
 
 INF = float("inf")
 

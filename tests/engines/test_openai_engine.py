@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import pytest
 
-from engines.base import (
+from wasma.engines.base import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,19 +20,19 @@ from engines.base import (
     KVEvent,
     TokenChunk,
 )
-from engines.openai_engine import (
+from wasma.engines.openai_engine import (
     BlockRemoved as WireRemoved,
 )
-from engines.openai_engine import (
+from wasma.engines.openai_engine import (
     BlockStored as WireStored,
 )
-from engines.openai_engine import (
+from wasma.engines.openai_engine import (
     KVEventBatch,
     OpenAIEngine,
     RemoteEngineError,
     url_host,
 )
-from scheduler.tokens import hash_token_blocks
+from wasma.scheduler.tokens import hash_token_blocks
 
 BS = 32
 METRICS = """\

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from engines.sim.profile import (
+from wasma.engines.sim.profile import (
     Profile,
     ProfileError,
     StepModel,

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from engines.base import KVEvent
-from engines.sim.core import SimEngineCore, SimRequest
-from engines.sim.profile import Profile, StepModel, load_profile
-from scheduler.prefix_index import PrefixIndex
-from scheduler.tokens import BlockHasher, Piece
+from wasma.engines.base import KVEvent
+from wasma.engines.sim.core import SimEngineCore, SimRequest
+from wasma.engines.sim.profile import Profile, StepModel, load_profile
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.tokens import BlockHasher, Piece
 
 BS = 4
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from engines.base import BlockStored, GenerateRequest, KVEvent, TokenChunk
-from engines.sim.profile import load_profile
-from engines.sim_engine import SimEngine, sim_output_tokens
-from scheduler.tokens import hash_token_blocks
+from wasma.engines.base import BlockStored, GenerateRequest, KVEvent, TokenChunk
+from wasma.engines.sim.profile import load_profile
+from wasma.engines.sim_engine import SimEngine, sim_output_tokens
+from wasma.scheduler.tokens import hash_token_blocks
 
 PROFILE = load_profile("llama3-8b-h100")
 BS = PROFILE.block_size
@@ -169,7 +169,7 @@ async def test_a_retention_lease_keeps_kv_through_churn_until_it_lapses() -> Non
 
 
 async def test_launch_all_closes_the_engines_that_started_when_one_fails() -> None:
-    from engines.base import launch_all
+    from wasma.engines.base import launch_all
 
     profile = load_profile("tiny-cpu")
     started = [SimEngine(f"s{i}", profile) for i in range(2)]
@@ -189,7 +189,7 @@ async def test_launch_all_closes_the_engines_that_started_when_one_fails() -> No
 
 
 async def test_launch_all_closes_the_engines_that_started_when_it_is_cancelled() -> None:
-    from engines.base import launch_all
+    from wasma.engines.base import launch_all
 
     profile = load_profile("tiny-cpu")
     fast = SimEngine("fast", profile)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from engines.base import BlockStored, GenerateRequest, KVEvent
-from scheduler.tokens import hash_token_blocks
+from wasma.engines.base import BlockStored, GenerateRequest, KVEvent
+from wasma.scheduler.tokens import hash_token_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ray_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
     ray = pytest.importorskip("ray")
-    from engines.vllm_actor import RayVLLMEngine
-    from engines.vllm_engine import VLLMEngineConfig
+    from wasma.engines.vllm_actor import RayVLLMEngine
+    from wasma.engines.vllm_engine import VLLMEngineConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -34,7 +34,7 @@ async def ray_engine(tiny_model_dir: Path) -> AsyncIterator[object]:
 
 
 async def test_ray_engine_streams_hits_and_events(ray_engine: object) -> None:
-    from engines.vllm_actor import RayVLLMEngine
+    from wasma.engines.vllm_actor import RayVLLMEngine
 
     assert isinstance(ray_engine, RayVLLMEngine)
     assert ray_engine.num_kv_blocks == 2048 and ray_engine.vocab_size == 2048
@@ -73,8 +73,8 @@ async def test_ray_engine_streams_hits_and_events(ray_engine: object) -> None:
 async def test_a_failed_launch_kills_its_actor(ray_engine: object, tmp_path: Path) -> None:
     import ray
 
-    from engines.vllm_actor import RayVLLMEngine
-    from engines.vllm_engine import VLLMEngineConfig
+    from wasma.engines.vllm_actor import RayVLLMEngine
+    from wasma.engines.vllm_engine import VLLMEngineConfig
 
     free = ray.available_resources().get("CPU", 0.0)
     broken = VLLMEngineConfig(model=f"{tmp_path}/no-such-model")

@@ -9,15 +9,15 @@ import time
 import numpy as np
 import pytest
 
-from engines.base import (
+from wasma.engines.base import (
     AllBlocksCleared,
     BlockStored,
     GenerateRequest,
     KVEvent,
     TokenChunk,
 )
-from engines.vllm_engine import VLLMEngine
-from scheduler.tokens import ROOT_HASH, hash_token_blocks
+from wasma.engines.vllm_engine import VLLMEngine
+from wasma.scheduler.tokens import ROOT_HASH, hash_token_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -172,7 +172,7 @@ async def test_retained_kv_outlives_churn_that_evicts_the_rest(vllm_engine: VLLM
 
 
 async def test_a_failed_start_closes_its_kv_event_socket(tmp_path: object) -> None:
-    from engines.vllm_engine import VLLMEngineConfig
+    from wasma.engines.vllm_engine import VLLMEngineConfig
 
     engine = VLLMEngine("broken", VLLMEngineConfig(model=f"{tmp_path}/no-such-model"))
     with pytest.raises(OSError):  # vLLM finds no such model (nor a hub repo of that name)
@@ -184,7 +184,7 @@ async def test_a_failed_start_closes_its_kv_event_socket(tmp_path: object) -> No
 
 
 async def test_closing_an_engine_ends_the_streams_in_flight(tiny_model_dir: object) -> None:
-    from engines.vllm_engine import VLLMEngineConfig
+    from wasma.engines.vllm_engine import VLLMEngineConfig
 
     engine = await VLLMEngine.launch("closing", VLLMEngineConfig(model=str(tiny_model_dir)))
     try:

@@ -16,8 +16,8 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
-from engines.base import MAX_RETAIN_S, RELEASE_ARG, RETAIN_ARG, RETAIN_USE_ARG
-from engines.vllm_retention import (
+from wasma.engines.base import MAX_RETAIN_S, RELEASE_ARG, RETAIN_ARG, RETAIN_USE_ARG
+from wasma.engines.vllm_retention import (
     RetentionLeases,
     TieredFreeQueue,
     release_keys,
@@ -221,8 +221,8 @@ def test_the_lease_a_request_asks_for(extra: dict[str, object] | None, want: flo
 
 
 def test_the_engines_name_the_scheduler_that_exists() -> None:
-    from engines.vllm_engine import RETAINING_SCHEDULER
-    from engines.vllm_retention import SCHEDULER_CLS
+    from wasma.engines.vllm_engine import RETAINING_SCHEDULER
+    from wasma.engines.vllm_retention import SCHEDULER_CLS
 
     assert RETAINING_SCHEDULER == SCHEDULER_CLS
 

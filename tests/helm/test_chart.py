@@ -224,7 +224,7 @@ def test_policy_params_reach_the_config_file() -> None:
         "params": {"balance_abs_threshold": 32, "balance_rel_threshold": 1.5},
     }
     # `wasma serve --config` reads exactly this file.
-    from deploy.serve import load_config_file
+    from wasma.deploy.serve import load_config_file
 
     path = Path(tempfile.mkdtemp()) / "config.yaml"
     path.write_text(one(objects, "ConfigMap", "-config")["data"]["config.yaml"])

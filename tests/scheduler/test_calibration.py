@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from engines.sim.profile import load_profile
-from scheduler.calibration import (
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.calibration import (
     CalibrationConfig,
     CostCalibrator,
     RequestTiming,

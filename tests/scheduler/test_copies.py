@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.copies import CopySchedule
-from scheduler.pricing import DeviceMappedPricer, hgx_devices
-from transfer import BandwidthPricer, Planner, build_preset
+from wasma.scheduler.copies import CopySchedule
+from wasma.scheduler.pricing import DeviceMappedPricer, hgx_devices
+from wasma.transfer import BandwidthPricer, Planner, build_preset
 
 # 1 GB/s and 1 ms a destination: a 100 MB copy takes 0.101 s, to two destinations 0.102 s.
 PRICER = BandwidthPricer(1e9, latency_s=1e-3)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engines.sim.profile import load_profile
-from scheduler.estimate_bias import EstimateBias
-from scheduler.policy import PolicyContext, RequestInfo
-from scheduler.prefix_index import PrefixIndex
-from scheduler.registry import default_registry
-from scheduler.router import Router
-from scheduler.state import ClusterState
-from scheduler.workflows import WorkflowRegistry
+from wasma.engines.sim.profile import load_profile
+from wasma.scheduler.estimate_bias import EstimateBias
+from wasma.scheduler.policy import PolicyContext, RequestInfo
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.registry import default_registry
+from wasma.scheduler.router import Router
+from wasma.scheduler.state import ClusterState
+from wasma.scheduler.workflows import WorkflowRegistry
 
 
 def test_the_ratio_follows_requests_that_run_long_and_comes_back() -> None:

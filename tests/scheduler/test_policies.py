@@ -11,23 +11,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import BlockStored
-from engines.sim.profile import Profile, load_profile
-from scheduler.policies.wasma import Wasma
-from scheduler.policy import (
+from wasma.engines.base import BlockStored
+from wasma.engines.sim.profile import Profile, load_profile
+from wasma.scheduler.policies.wasma import Wasma
+from wasma.scheduler.policy import (
     NoHealthyEngine,
     Placement,
     PlacementKind,
     PolicyContext,
     RequestInfo,
 )
-from scheduler.prefix_index import PrefixIndex
-from scheduler.pricing import LinkBandwidthPricer
-from scheduler.registry import UnknownPolicy, default_registry
-from scheduler.router import Router
-from scheduler.state import Charge, ClusterState
-from scheduler.workflow import ContextOf, Node, OutputOf, Shared, Unique, Workflow
-from scheduler.workflows import WorkflowRegistry
+from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.pricing import LinkBandwidthPricer
+from wasma.scheduler.registry import UnknownPolicy, default_registry
+from wasma.scheduler.router import Router
+from wasma.scheduler.state import Charge, ClusterState
+from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Shared, Unique, Workflow
+from wasma.scheduler.workflows import WorkflowRegistry
 
 PROFILE = load_profile("llama3-8b-h100")
 BS = PROFILE.block_size
@@ -378,7 +378,7 @@ def siblings_workflow(k: int = 4, doc: int = 3000) -> Workflow:
 
 def test_wasma_colocates_siblings_with_shared_prefix() -> None:
     """Siblings placed back to back, before any engine reports KV, land together."""
-    from scheduler.tokens import BlockHasher
+    from wasma.scheduler.tokens import BlockHasher
 
     ctx = make_ctx(n=4)
     router = Router(ctx, policy("wasma", ctx))
@@ -603,7 +603,7 @@ def test_wasma_says_when_retained_context_is_next_wanted(by_use: bool) -> None:
 
 def spread_siblings(broadcast: bool, relay: bool) -> list[Placement]:
     """Three requests sharing a 200-block prefix that only a busy e0 holds."""
-    from transfer import BandwidthPricer
+    from wasma.transfer import BandwidthPricer
 
     ctx = make_ctx(n=4, params={"broadcast": broadcast})
     ctx.relay_copies = relay

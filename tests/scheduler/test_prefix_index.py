@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import AllBlocksCleared, BlockRemoved, BlockStored
-from scheduler.prefix_index import PrefixIndex
+from wasma.engines.base import AllBlocksCleared, BlockRemoved, BlockStored
+from wasma.scheduler.prefix_index import PrefixIndex
 
 ENGINES = ["e0", "e1", "e2"]
 

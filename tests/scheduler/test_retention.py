@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler.retention import RetentionTracker
-from scheduler.workflow import ContextOf, Node, OutputOf, Unique, Workflow
+from wasma.scheduler.retention import RetentionTracker
+from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Unique, Workflow
 
 
 def _mapreduce() -> Workflow:

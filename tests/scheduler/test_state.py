@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.base import EngineStats
-from scheduler.state import Charge, ClusterState
-from scheduler.workflow import Node, OutputOf, Unique, Workflow
-from scheduler.workflows import WorkflowRegistry
+from wasma.engines.base import EngineStats
+from wasma.scheduler.state import Charge, ClusterState
+from wasma.scheduler.workflow import Node, OutputOf, Unique, Workflow
+from wasma.scheduler.workflows import WorkflowRegistry
 
 
 def diamond(wid: str = "w") -> Workflow:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.trace import TraceError, load_trace, write_trace
-from scheduler.workflow import Workflow
+from wasma.scheduler.trace import TraceError, load_trace, write_trace
+from wasma.scheduler.workflow import Workflow
 
 
 def wf_dict(wid: str, arrival: float = 0.0, **node_kw: Any) -> dict[str, Any]:

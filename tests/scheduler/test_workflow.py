@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from scheduler.tokens import Piece, span_tokens, stream_id
-from scheduler.workflow import (
+from wasma.scheduler.tokens import Piece, span_tokens, stream_id
+from wasma.scheduler.workflow import (
     MAX_OUTPUT_TOKENS,
     MAX_SEGMENT_TOKENS,
     ContextOf,
@@ -208,7 +208,7 @@ def test_bad_node_ids_rejected() -> None:
 
 
 def test_too_many_nodes_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    import scheduler.workflow as wmod
+    import wasma.scheduler.workflow as wmod
 
     monkeypatch.setattr(wmod, "MAX_NODES", 3)
     with pytest.raises(WorkflowError, match="exceeds the limit"):

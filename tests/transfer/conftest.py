@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.topology import Topology, TopologyBuilder
+from wasma.transfer.topology import Topology, TopologyBuilder
 
 
 def switch_topology(

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from transfer import build_preset, plan_main
-from transfer.cli import plan_main as cli_plan_main
+from wasma.transfer import build_preset, plan_main
+from wasma.transfer.cli import plan_main as cli_plan_main
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

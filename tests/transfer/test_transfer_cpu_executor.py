@@ -6,10 +6,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transfer import Hop, Planner, TransferPlan
-from transfer.algorithms import with_chunks
-from transfer.cpu_executor import CpuExecutor
-from transfer.executor import TransferFailed
+from wasma.transfer import Hop, Planner, TransferPlan
+from wasma.transfer.algorithms import with_chunks
+from wasma.transfer.cpu_executor import CpuExecutor
+from wasma.transfer.executor import TransferFailed
 
 SIZE = 1_000_003  # odd, so piece boundaries are uneven
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.kv_peer import (
+from wasma.transfer.kv_peer import (
     LayerBlocks,
     PeerBackoff,
     PeerError,

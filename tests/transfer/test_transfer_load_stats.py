@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from transfer.vllm_connector import WasmaLoadStats, WasmaPeerConnector
+from wasma.transfer.vllm_connector import WasmaLoadStats, WasmaPeerConnector
 
 
 def test_stats_travel_as_their_dict_and_merge_across_workers() -> None:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from transfer import exposed_per_layer_s, exposed_s, layer_transfer_times_s
+from wasma.transfer import exposed_per_layer_s, exposed_s, layer_transfer_times_s
 
 
 def test_layerwise_hides_transfer_behind_compute() -> None:

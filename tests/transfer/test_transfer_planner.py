@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from transfer import (
+from wasma.transfer import (
     ALGORITHMS,
     BandwidthPricer,
     Hop,
@@ -17,8 +17,8 @@ from transfer import (
     TransferPricer,
     build_preset,
 )
-from transfer.algorithms import best_chunks, with_chunks
-from transfer.plan import check_plan
+from wasma.transfer.algorithms import best_chunks, with_chunks
+from wasma.transfer.plan import check_plan
 
 SIZES = [4 << 10, 1 << 20, 64 << 20, 1 << 30]
 
@@ -171,7 +171,7 @@ def test_chain_chunk_count_is_the_closed_form_optimum(topos: Any) -> None:
     ],
 )
 def test_every_candidate_plan_delivers_everything(preset: str, dsts: list[str]) -> None:
-    from transfer import load_topology
+    from wasma.transfer import load_topology
 
     planner = Planner(load_topology(preset))
     for size in (1, 1000, 1 << 24):
@@ -214,7 +214,7 @@ def test_striping_splits_in_proportion_to_bandwidth() -> None:
 def test_stripe_max_flow_is_computed_once_per_pair_until_a_link_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from transfer import algorithms
+    from wasma.transfer import algorithms
 
     calls: list[tuple[str, str]] = []
     real = algorithms._flow_paths
@@ -385,7 +385,7 @@ def test_plan_is_readable() -> None:
 
 
 def test_sequential_hops_do_not_share_but_concurrent_ones_do() -> None:
-    from transfer.presets import build_cpu_cluster
+    from wasma.transfer.presets import build_cpu_cluster
 
     planner = Planner(build_cpu_cluster(1, 4, copy_Bps=1e9, cores=1), per_message_s=0.0)
     dsts = ["n0.gpu1", "n0.gpu2", "n0.gpu3"]

@@ -5,9 +5,9 @@ from typing import Any
 
 import pytest
 
-from transfer import Topology, TopologyBuilder, TopologyError, build_preset, load_topology
-from transfer.discovery import parse_nvidia_smi_topo
-from transfer.units import parse_bandwidth, parse_latency, parse_size
+from wasma.transfer import Topology, TopologyBuilder, TopologyError, build_preset, load_topology
+from wasma.transfer.discovery import parse_nvidia_smi_topo
+from wasma.transfer.units import parse_bandwidth, parse_latency, parse_size
 
 YAML = """
 name: tiny
@@ -230,7 +230,7 @@ def test_discovery_rejects_garbage() -> None:
 
 
 def test_asymmetric_link_round_trips_and_prices_each_direction() -> None:
-    from transfer import Planner
+    from wasma.transfer import Planner
 
     text = YAML.replace(
         "kind: nvlink}\n  - {a: n0.gpu1", "kind: nvlink, bandwidth_back: 45GB/s}\n  - {a: n0.gpu1"
@@ -247,8 +247,8 @@ def test_asymmetric_link_round_trips_and_prices_each_direction() -> None:
 
 
 def test_cpu_cluster_preset_caps_concurrent_copies() -> None:
-    from transfer import Planner
-    from transfer.presets import build_cpu_cluster
+    from wasma.transfer import Planner
+    from wasma.transfer.presets import build_cpu_cluster
 
     topo = build_cpu_cluster(2, 3, copy_Bps=4e9, cores=2, tcp_Bps=1e9)
     assert topo.hosts() == ["n0", "n1"]
@@ -262,8 +262,8 @@ def test_cpu_cluster_preset_caps_concurrent_copies() -> None:
 
 
 def test_cpu_cluster_memory_bandwidth_caps_concurrent_copies() -> None:
-    from transfer import Planner
-    from transfer.presets import build_cpu_cluster
+    from wasma.transfer import Planner
+    from wasma.transfer.presets import build_cpu_cluster
 
     # Two cores, but memory sustains only 1.5 copies' worth: two copies at once share it.
     topo = build_cpu_cluster(1, 4, copy_Bps=4e9, cores=2, memory_Bps=6e9)

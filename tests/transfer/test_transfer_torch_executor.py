@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from transfer import Planner, TransferPlan, build_preset
-from transfer.algorithms import with_chunks
-from transfer.executor import TransferFailed
-from transfer.torch_executor import TorchDistExecutor, schedule_waves, torch_available
+from wasma.transfer import Planner, TransferPlan, build_preset
+from wasma.transfer.algorithms import with_chunks
+from wasma.transfer.executor import TransferFailed
+from wasma.transfer.torch_executor import TorchDistExecutor, schedule_waves, torch_available
 
 SIZE = 300_001
 

