@@ -34,15 +34,15 @@ test: lint
 	$(BIN)/pytest -q
 
 bench: install
-	$(BIN)/python -m wasma.benchmarks.targets --out $(OUT)/bench
+	$(BIN)/python -m wasma.benchmarks.studies.targets --out $(OUT)/bench
 
 # make bench's target cells on five trace seeds (20-40 min on 2 cores).
 bench-seeds: install
-	$(BIN)/python -m wasma.benchmarks.target_seeds --out $(OUT)/bench-seeds
+	$(BIN)/python -m wasma.benchmarks.studies.target_seeds --out $(OUT)/bench-seeds
 
 bench-peers: install
 	$(BIN)/pip install -q -e ".[peers]"
-	$(BIN)/python -m wasma.benchmarks.peers --out $(OUT)/peers
+	$(BIN)/python -m wasma.benchmarks.studies.peers --out $(OUT)/peers
 
 clean:
 	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache

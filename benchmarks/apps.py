@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wasma.engines.sim.profile import Profile
+from wasma.core.profile import Profile
 from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.trace import load_trace
 
 CAPACITY_ATTAINMENT = 0.9

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from wasma.benchmarks.sim_replay import RunResult
-from wasma.scheduler.tokens import BlockHasher
+from wasma.core.tokens import BlockHasher
 from wasma.scheduler.workflow import Workflow
 
 

@@ -33,8 +33,8 @@ import httpx
 
 from wasma.benchmarks.metrics import summarize
 from wasma.benchmarks.sim_replay import RequestRecord, RunResult, WorkflowRecord
+from wasma.core.tokens import TokenMaterialiser, stream_id
 from wasma.engines.openai_engine import sse_events
-from wasma.scheduler.tokens import TokenMaterialiser, stream_id
 from wasma.scheduler.trace import load_trace
 from wasma.scheduler.workflow import ContextOf, OutputOf, Shared, Unique, Workflow
 

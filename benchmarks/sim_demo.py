@@ -11,7 +11,7 @@ from pathlib import Path
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.bench import bench
 from wasma.benchmarks.report import table
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.registry import default_registry
 from wasma.scheduler.trace import write_trace
 

@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from wasma.core.profile import Profile
+from wasma.core.tokens import BlockHasher
 from wasma.engines.base import DEFAULT_RETAIN_S
 from wasma.engines.sim.core import SimEngineCore, SimRequest
-from wasma.engines.sim.profile import Profile
 from wasma.scheduler.copies import CopySchedule
 from wasma.scheduler.policy import PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex
@@ -22,7 +23,6 @@ from wasma.scheduler.pricing import DeviceMappedPricer, TransferPricer, hgx_devi
 from wasma.scheduler.registry import PolicyRegistry, default_registry
 from wasma.scheduler.router import Router
 from wasma.scheduler.state import ClusterState
-from wasma.scheduler.tokens import BlockHasher
 from wasma.scheduler.workflow import Workflow
 from wasma.scheduler.workflows import WorkflowRegistry
 

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from wasma.core.profile import Profile, load_profile
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.deploy.ray_channel import ChannelServer
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
-from wasma.engines.sim.profile import Profile, load_profile
 from wasma.scheduler.pricing import LinkBandwidthPricer, TransferPricer
 
 DEFAULT_SIM_PROFILE = "llama3-8b-h100"

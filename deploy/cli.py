@@ -244,7 +244,7 @@ def check_params(policies: Sequence[str], params: dict[str, dict[str, Any]], pro
 
 def _cmd_trace_gen(args: argparse.Namespace) -> int:
     from wasma.benchmarks.apps import generate
-    from wasma.engines.sim.profile import load_profile
+    from wasma.core.profile import load_profile
     from wasma.scheduler.trace import write_trace
 
     profile = load_profile(args.profile)
@@ -273,7 +273,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from wasma.benchmarks.bench import bench
     from wasma.benchmarks.report import table
-    from wasma.engines.sim.profile import load_profile
+    from wasma.core.profile import load_profile
     from wasma.scheduler.registry import default_registry
     from wasma.scheduler.trace import load_trace
 
@@ -361,7 +361,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from wasma.engines.sim.profile import ProfileError
+    from wasma.core.profile import ProfileError
     from wasma.scheduler.registry import UnknownPolicy
     from wasma.scheduler.trace import TraceError
     from wasma.scheduler.workflow import WorkflowError

@@ -40,6 +40,8 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from wasma.engines.vllm_metrics import VllmMetrics
+
 MetricKind = Literal["counter", "gauge", "histogram"]
 GaugeMode = Literal["mostrecent", "livesum", "max"]
 
@@ -401,3 +403,20 @@ class WasmaMetrics:
             MultiProcessCollector(registry, path=self._multiprocess_dir)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def fold_into(metrics: WasmaMetrics, engine: str, scraped: VllmMetrics, outstanding: int) -> None:
+    """Publish one engine's scrape in the cluster view (`wasma_engine_*` gauges).
+
+    `outstanding` is the router's own count: it includes requests still in flight to the
+    engine, which the engine's running/waiting gauges do not see yet.
+    """
+    kv = scraped.kv_cache_usage_ratio
+    metrics.set_engine(
+        engine,
+        outstanding=outstanding,
+        running=None if scraped.num_requests_running is None else int(scraped.num_requests_running),
+        waiting=None if scraped.num_requests_waiting is None else int(scraped.num_requests_waiting),
+        # vLLM can report a hair above 1.0 from float rounding; the gauge is a ratio.
+        kv_usage=None if kv is None else min(max(kv, 0.0), 1.0),
+    )

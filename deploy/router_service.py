@@ -25,17 +25,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from wasma.core.events import KVEvent
+from wasma.core.profile import Profile
+from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.metrics import WasmaMetrics
-from wasma.engines.base import (
-    DEFAULT_RETAIN_S,
-    EngineClient,
-    GenerateRequest,
-    KVEvent,
-    TokenChunk,
-)
-from wasma.engines.sim.profile import Profile
+from wasma.engines.base import DEFAULT_RETAIN_S, EngineClient, GenerateRequest, TokenChunk
 from wasma.scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
 from wasma.scheduler.policy import (
     NoHealthyEngine,
@@ -48,7 +44,6 @@ from wasma.scheduler.pricing import TransferPricer
 from wasma.scheduler.registry import PolicyRegistry, default_registry
 from wasma.scheduler.router import Router
 from wasma.scheduler.state import ClusterState
-from wasma.scheduler.tokens import hash_token_blocks
 from wasma.scheduler.workflow import Workflow, WorkflowError
 from wasma.scheduler.workflows import WorkflowRegistry, WorkflowState
 

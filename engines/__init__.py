@@ -1,17 +1,9 @@
 """Engines: one interface, several implementations (simulated, vLLM in Ray, remote vLLM)."""
 
-from wasma.engines.base import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineClient,
-    EngineStats,
-    GenerateRequest,
-    KVEvent,
-    TokenChunk,
-)
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats, KVEvent
+from wasma.core.profile import Profile, ProfileError, load_profile
+from wasma.engines.base import EngineClient, GenerateRequest, TokenChunk
 from wasma.engines.sim.core import SimEngineCore, SimRequest
-from wasma.engines.sim.profile import Profile, ProfileError, load_profile
 
 __all__ = [
     "AllBlocksCleared",

@@ -14,29 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from wasma.core.events import EngineStats, KVEvent
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Blocks (by chain hash) newly cached on an engine, vLLM's `BlockStored` event."""
-
-    engine: str
-    block_hashes: tuple[int, ...]
-    parent_hash: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks evicted from an engine's prefix cache, vLLM's `BlockRemoved` event."""
-
-    engine: str
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    engine: str
 
 
 # The request tag (vLLM `SamplingParams.extra_args` key; `vllm_xargs` over HTTP) that asks
@@ -57,7 +37,6 @@ DEFAULT_RETAIN_S = 120.0
 # workflow.
 MAX_RETAIN_S = 3600.0
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KVEventSink = Callable[[KVEvent], None]
 
 
@@ -70,22 +49,6 @@ def deliver_kv_events(engine: str, sinks: Sequence[KVEventSink], events: Iterabl
                 sink(ev)
             except Exception:
                 log.exception("engine %s: KV event sink failed", engine)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """What an engine reports about its load (vLLM's scheduler stats)."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks in use, 0..1
-    num_kv_blocks: int
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    # The engine's last KV loads from peers (the wasma connector), oldest first, each
-    # (sequence number, bytes, seconds): a reader keeps the last number it saw and takes
-    # only newer ones, so polls that overlap or go missing neither count twice nor skip.
-    kv_loads: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(slots=True)

@@ -25,18 +25,17 @@ from typing import Any
 import httpx
 import msgspec
 
-from wasma.deploy.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
+from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
     EngineClient,
-    EngineStats,
     GenerateRequest,
-    KVEvent,
     KVEventSink,
     TokenChunk,
     deliver_kv_events,
     start_or_close,
 )
 from wasma.engines.vllm_engine import KVEventTranslator
+from wasma.engines.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
 
 log = logging.getLogger(__name__)
 

@@ -20,17 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from wasma.engines.base import (
-    EngineClient,
-    EngineStats,
-    GenerateRequest,
-    KVEvent,
-    KVEventSink,
-    TokenChunk,
-)
+from wasma.core.events import EngineStats, KVEvent
+from wasma.core.profile import Profile
+from wasma.core.tokens import hash_token_blocks
+from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk
 from wasma.engines.sim.core import SimEngineCore, SimRequest, StepOutcome
-from wasma.engines.sim.profile import Profile
-from wasma.scheduler.tokens import hash_token_blocks
 
 # Token ids below this are left to special tokens (BOS/EOS/PAD), as TokenMaterialiser does.
 _LOW_TOKEN = 16

@@ -14,11 +14,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
     EngineClient,
-    EngineStats,
     GenerateRequest,
-    KVEvent,
     KVEventSink,
     TokenChunk,
     deliver_kv_events,

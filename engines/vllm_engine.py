@@ -28,20 +28,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats, KVEvent
+from wasma.core.tokens import ROOT_HASH, hash_token_blocks
 from wasma.engines.base import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EngineClient,
-    EngineStats,
     GenerateRequest,
-    KVEvent,
     KVEventSink,
     TokenChunk,
     deliver_kv_events,
     start_or_close,
 )
-from wasma.scheduler.tokens import ROOT_HASH, hash_token_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -1,6 +1,6 @@
 """Live cost calibration: the policy's step-time model, scaled to what the engines show.
 
-A profile (engines/profiles/*.yaml) is fitted once, on an idle engine driven in-process.
+A profile (core/profiles/*.yaml) is fitted once, on an idle engine driven in-process.
 Behind an HTTP server on a busy machine the same engine's steps run several times
 slower, and not by one factor: per-step costs (scheduling, the API server, sampling) and
 per-prefill-token costs stretch differently. A policy pricing a cache hit (prefill
@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from wasma.engines.sim.profile import Profile, StepModel
+from wasma.core.profile import Profile, StepModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from wasma.engines.sim.profile import Profile
+from wasma.core.profile import Profile
 from wasma.scheduler.app_shapes import AppShapes
 from wasma.scheduler.copies import CopySchedule
 from wasma.scheduler.estimate_bias import EstimateBias

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from itertools import accumulate, compress, repeat
 from operator import and_, neg, not_
 
-from wasma.engines.base import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:

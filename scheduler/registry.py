@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from wasma.engines.sim.profile import Profile
+from wasma.core.profile import Profile
 from wasma.scheduler.policies.baselines import (
     KVAware,
     LeastLoaded,

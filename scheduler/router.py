@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from wasma.engines.base import BlockRemoved, BlockStored, KVEvent
+from wasma.core.events import BlockRemoved, BlockStored, KVEvent
 from wasma.scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
 from wasma.scheduler.retention import RetentionTracker
 from wasma.scheduler.state import Charge

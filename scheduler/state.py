@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wasma.engines.base import EngineStats
+from wasma.core.events import EngineStats
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Any, TypeGuard, cast
 
 import networkx as nx
 
-from wasma.scheduler.tokens import Piece, Span, span_tokens, stream_id
+from wasma.core.tokens import Piece, Span, span_tokens, stream_id
 
 # Bounds that catch generator bugs and hostile input, far above any real model.
 MAX_SEGMENT_TOKENS = 2_000_000

@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from wasma.engines.base import BlockRemoved, BlockStored, EngineStats, KVEvent
+from wasma.core.events import BlockRemoved, BlockStored, EngineStats, KVEvent
+from wasma.core.profile import Profile
 from wasma.engines.sim.kv_cache import KVCache
-from wasma.engines.sim.profile import Profile
 
 
 @dataclass(slots=True, eq=False)

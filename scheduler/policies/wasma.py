@@ -91,7 +91,7 @@ class Wasma(Policy):
         # router releases held work by slack and the engine runs what it gets in arrival
         # order. vLLM's priority scheduler preempts the lowest-priority running request
         # however far it has got, so where KV runs short the slack order on the engine
-        # turns into recomputation (benchmarks/kv_pressure.py: mapreduce at 32k KV
+        # turns into recomputation (benchmarks/studies/kv_pressure.py: mapreduce at 32k KV
         # tokens an engine meets 87% of deadlines with it, 98% without); with KV to
         # spare it changes nothing measurable, since vLLM then admits every request.
         "engine_priority": False,

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from wasma.benchmarks.apps import generate
-from wasma.benchmarks.kv_pressure import pressure_profile
 from wasma.benchmarks.sim_replay import SimReplay
-from wasma.engines.base import EngineStats
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.kv_pressure import pressure_profile
+from wasma.core.events import EngineStats
+from wasma.core.profile import load_profile
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex
 from wasma.scheduler.registry import PolicyRegistry, default_registry

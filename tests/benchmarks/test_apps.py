@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from wasma.benchmarks.apps import app_specs, critical_path_alone_s, generate
-from wasma.engines.sim.profile import load_profile
-from wasma.scheduler.tokens import Piece
+from wasma.core.profile import load_profile
+from wasma.core.tokens import Piece
 from wasma.scheduler.workflow import ContextOf, OutputOf, Shared, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")

@@ -11,7 +11,7 @@ import pytest
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.bench import CAPACITY_ATTAINMENT, CapacitySearch, RunSpec, bench, run_one
 from wasma.benchmarks.report import table
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.trace import write_trace
 
 PROFILE = load_profile("llama3-8b-h100")

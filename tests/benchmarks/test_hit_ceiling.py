@@ -7,7 +7,7 @@ import pytest
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.metrics import prefix_hit_ceiling, summarize
 from wasma.benchmarks.sim_replay import SimReplay
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.workflow import ContextOf, Node, Shared, Unique, Workflow
 
 

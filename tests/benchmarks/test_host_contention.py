@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from wasma.benchmarks.host_contention import contention, write_contention
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.host_contention import contention, write_contention
+from wasma.core.profile import load_profile
 
 
 def test_contention_is_the_median_slowdown_never_negative() -> None:
@@ -18,7 +18,7 @@ def test_contention_is_the_median_slowdown_never_negative() -> None:
 
 
 def test_write_keeps_the_profile_and_replaces_the_last_measurement(tmp_path: Path) -> None:
-    src = Path(__file__).parents[2] / "engines" / "profiles" / "tiny-cpu.yaml"
+    src = Path(__file__).parents[2] / "core" / "profiles" / "tiny-cpu.yaml"
     path = tmp_path / "p.yaml"
     path.write_text(src.read_text())
     before = load_profile(str(path))

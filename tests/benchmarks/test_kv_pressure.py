@@ -1,4 +1,4 @@
-"""The KV-pressure benchmark (benchmarks/kv_pressure.py): its profiles, rows and table."""
+"""The KV-pressure benchmark (benchmarks/studies/kv_pressure.py): its profiles, rows and table."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.bench import RunSpec, run_one
-from wasma.benchmarks.kv_pressure import main, pressure_profile, variants
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.kv_pressure import main, pressure_profile, variants
+from wasma.core.profile import load_profile
 from wasma.scheduler.trace import write_trace
 
 BASE = load_profile("llama3-8b-h100")

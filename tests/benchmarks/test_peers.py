@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from wasma.benchmarks.peers import (
+from wasma.benchmarks.studies.peers import (
     SIM_MODELS,
     estimate_s,
     main,
@@ -21,7 +21,7 @@ from wasma.benchmarks.peers import (
     plan_runs,
     settled_speed,
 )
-from wasma.benchmarks.peers_procs import (
+from wasma.benchmarks.studies.peers_procs import (
     EngineEndpoint,
     EngineOptions,
     RouterConfig,
@@ -30,7 +30,7 @@ from wasma.benchmarks.peers_procs import (
     engine_env,
     router_command,
 )
-from wasma.benchmarks.peers_report import (
+from wasma.benchmarks.studies.peers_report import (
     aggregate,
     capacity_table,
     markdown_table,
@@ -39,8 +39,8 @@ from wasma.benchmarks.peers_report import (
     spread,
     targets_table,
 )
-from wasma.benchmarks.peers_traces import generate_small, small_apps
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.peers_traces import generate_small, small_apps
+from wasma.core.profile import load_profile
 
 OPTS = EngineOptions(model="/m/tiny", block_size=64)
 EPS = [EngineEndpoint(8001, "/t/kv0.sock", 5557), EngineEndpoint(8002, "/t/kv1.sock", 5558)]
@@ -430,7 +430,7 @@ def test_kv_event_relay_forwards_ipc_to_loopback_tcp(tmp_path: Path) -> None:
 
     import zmq
 
-    from wasma.benchmarks.peers_procs import KVEventRelay, free_port
+    from wasma.benchmarks.studies.peers_procs import KVEventRelay, free_port
 
     ep = EngineEndpoint(0, str(tmp_path / "kv.sock"), free_port())
     ctx = zmq.Context()
@@ -464,7 +464,7 @@ def test_kv_event_relay_that_cannot_bind_stops_the_proxies_it_started(tmp_path: 
 
     import zmq
 
-    from wasma.benchmarks.peers_procs import KVEventRelay, free_port
+    from wasma.benchmarks.studies.peers_procs import KVEventRelay, free_port
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -479,7 +479,7 @@ def test_kv_event_relay_that_cannot_bind_stops_the_proxies_it_started(tmp_path: 
 
 
 def test_wasma_ablations_pass_params_in_a_config_file() -> None:
-    from wasma.benchmarks.peers_procs import diagnostic_routers, wasma_config_text
+    from wasma.benchmarks.studies.peers_procs import diagnostic_routers, wasma_config_text
 
     rc = diagnostic_routers()[0]
     assert json.loads(wasma_config_text(rc) or "") == {"params": {"priority": False}}
@@ -492,11 +492,15 @@ def test_wasma_ablations_pass_params_in_a_config_file() -> None:
 def test_frozen_source_holds_every_package_wasma_serve_imports() -> None:
     import shutil
 
-    from wasma.benchmarks.peers import freeze_source
+    from wasma.benchmarks.studies.peers import freeze_source
 
     snap = Path(freeze_source())
     try:
-        for f in ("deploy/cli.py", "scheduler/router.py", "engines/profiles/tiny-cpu.yaml"):
+        for f in (
+            "wasma/deploy/cli.py",
+            "wasma/scheduler/router.py",
+            "wasma/core/profiles/tiny-cpu.yaml",
+        ):
             assert (snap / f).is_file()
         assert not list(snap.rglob("__pycache__"))
     finally:
@@ -508,7 +512,7 @@ def test_stop_lets_the_groups_children_finish_their_cleanup(tmp_path: Path) -> N
     shared-memory queues; stop() must not kill the child mid-cleanup."""
     import sys
 
-    from wasma.benchmarks.peers_procs import ManagedProcess, group_alive
+    from wasma.benchmarks.studies.peers_procs import ManagedProcess, group_alive
 
     done = tmp_path / "cleaned"
     child = (

@@ -11,7 +11,7 @@ import pytest
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.metrics import percentile, summarize
 from wasma.benchmarks.sim_replay import RunResult, SimReplay
-from wasma.engines.sim.profile import Profile, load_profile
+from wasma.core.profile import Profile, load_profile
 from wasma.scheduler.registry import PolicyRegistry
 from wasma.scheduler.workflow import Node, Unique, Workflow
 

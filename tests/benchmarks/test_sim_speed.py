@@ -1,10 +1,10 @@
-"""The simulator-speed benchmark (benchmarks/sim_speed.py)."""
+"""The simulator-speed benchmark (benchmarks/studies/sim_speed.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from wasma.benchmarks.sim_speed import main, measure
+from wasma.benchmarks.studies.sim_speed import main, measure
 
 
 def test_measure_reports_requests_per_cpu_second_at_a_token_scale() -> None:

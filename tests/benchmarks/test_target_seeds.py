@@ -1,4 +1,4 @@
-"""The targets on several trace seeds (benchmarks/target_seeds.py)."""
+"""The targets on several trace seeds (benchmarks/studies/target_seeds.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from wasma.benchmarks.target_seeds import main, summary_markdown, targets
+from wasma.benchmarks.studies.target_seeds import main, summary_markdown, targets
 
 
 def _row(app: str, seed: int, load: float, policy: str, p95: float, goodput: float) -> dict:

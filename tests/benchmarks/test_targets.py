@@ -1,10 +1,10 @@
-"""The `make bench` report (benchmarks/targets.py): which run fills which cell."""
+"""The `make bench` report (benchmarks/studies/targets.py): which run fills which cell."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from wasma.benchmarks.targets import ABLATIONS, OPTIONS, SWEPT, targets_markdown
+from wasma.benchmarks.studies.targets import ABLATIONS, OPTIONS, SWEPT, targets_markdown
 
 
 def _row(policy: str, scale: float, attainment: float, **extra: Any) -> dict[str, Any]:

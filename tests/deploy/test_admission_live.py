@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from wasma.benchmarks.kv_pressure import pressure_profile
+from wasma.benchmarks.studies.kv_pressure import pressure_profile
+from wasma.core.profile import load_profile
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_service import BadRequest, RouterService, ServiceRequest
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry

@@ -17,6 +17,9 @@ import httpx
 import pytest
 
 from wasma.benchmarks.replay import Replayer
+from wasma.core.events import EngineStats
+from wasma.core.profile import load_profile
+from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metadata import WorkflowIdentity
@@ -30,19 +33,10 @@ from wasma.deploy.router_service import (
 )
 from wasma.deploy.serve import ServerThread
 from wasma.deploy.tokenizer import ByteTokenizer
-from wasma.engines.base import (
-    EngineClient,
-    EngineStats,
-    GenerateRequest,
-    KVEventSink,
-    TokenChunk,
-    launch_all,
-)
-from wasma.engines.sim.profile import load_profile
+from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk, launch_all
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
-from wasma.scheduler.tokens import hash_token_blocks
 from wasma.scheduler.workflow import Workflow
 
 FAST: dict[str, Any] = {

@@ -15,14 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wasma.core.events import EngineStats
+from wasma.core.profile import load_profile
 from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
 from wasma.deploy.tokenizer import ByteTokenizer
-from wasma.engines.base import EngineClient, EngineStats, GenerateRequest, KVEventSink, TokenChunk
-from wasma.engines.sim.profile import load_profile
+from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry

@@ -11,13 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
+from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.deploy.serve import ServerThread, free_port
 from wasma.deploy.tokenizer import ByteTokenizer
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 
 KEY = "sk-secret-key-0123456789abcdef"

@@ -17,16 +17,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from wasma.core.profile import load_profile
 from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import Gateway, GatewayConfig, create_app
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.deploy.serve import ServerThread, local_router_factory
 from wasma.deploy.tokenizer import ByteTokenizer
-from wasma.deploy.vllm_metrics import parse_vllm_metrics
 from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.vllm_metrics import parse_vllm_metrics
 
 # A vLLM 0.32 /metrics page in miniature: typed families, histograms nobody reads, and
 # the samples the router needs.

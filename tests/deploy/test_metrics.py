@@ -13,10 +13,9 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wasma.deploy.metrics import WasmaMetrics
-from wasma.deploy.vllm_metrics import (
+from wasma.deploy.metrics import WasmaMetrics, fold_into
+from wasma.engines.vllm_metrics import (
     VllmMetrics,
-    fold_into,
     parse_vllm_metrics,
     scrape_vllm_metrics,
 )
@@ -375,7 +374,7 @@ def test_names_match_the_installed_vllm() -> None:
     if spec is None or spec.origin is None:
         pytest.skip("vllm is not installed")
     loggers = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
-    from wasma.deploy.vllm_metrics import VllmMetricsParser
+    from wasma.engines.vllm_metrics import VllmMetricsParser
 
     for field in VllmMetricsParser.FIELDS.values():
         newest = field.names[0]

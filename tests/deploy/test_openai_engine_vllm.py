@@ -24,7 +24,7 @@ POOL_BLOCKS = 512
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("vllm")
-    from wasma.benchmarks.peers_procs import (
+    from wasma.benchmarks.studies.peers_procs import (
         EngineEndpoint,
         EngineOptions,
         ManagedProcess,
@@ -140,9 +140,9 @@ async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: st
 
 
 async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
+    from wasma.core.profile import load_profile
     from wasma.deploy.router_service import RouterService, ServiceRequest
     from wasma.engines.openai_engine import OpenAIEngine
-    from wasma.engines.sim.profile import load_profile
     from wasma.scheduler.calibration import CalibrationConfig
 
     engine = OpenAIEngine("v0", vllm_url)
@@ -169,8 +169,8 @@ async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
 def test_peers_speed_probe_times_requests_alone(vllm_url: str) -> None:
     import httpx
 
-    from wasma.benchmarks.peers import PROBE_OUTPUT, PROBE_PROMPT, engine_speed
-    from wasma.engines.sim.profile import load_profile
+    from wasma.benchmarks.studies.peers import PROBE_OUTPUT, PROBE_PROMPT, engine_speed
+    from wasma.core.profile import load_profile
 
     model = httpx.get(vllm_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     prof = load_profile("tiny-cpu")

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from wasma.core.profile import load_profile
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.engines.base import GenerateRequest, TokenChunk
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from wasma.core.events import EngineStats
+from wasma.core.profile import load_profile
 from wasma.deploy.router_service import RouterService
-from wasma.engines.base import EngineStats
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 
 PROFILE = load_profile("llama3-8b-h100")

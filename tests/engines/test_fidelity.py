@@ -2,14 +2,14 @@
 
 A behavioural check, not a benchmark: the prefix-cache hits must be vLLM's, and every
 simulated request must finish. Latency is measured, not asserted (it depends on
-what else the machine runs): `python -m wasma.benchmarks.fidelity` reports the error."""
+what else the machine runs): `python -m wasma.benchmarks.studies.fidelity` reports the error."""
 
 from __future__ import annotations
 
 import pytest
 
-from wasma.benchmarks.fidelity import generate_trace, run_fidelity
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.fidelity import generate_trace, run_fidelity
+from wasma.core.profile import load_profile
 from wasma.engines.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]

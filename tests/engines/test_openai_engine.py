@@ -12,14 +12,9 @@ import httpx
 import msgspec
 import pytest
 
-from wasma.engines.base import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    GenerateRequest,
-    KVEvent,
-    TokenChunk,
-)
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from wasma.core.tokens import hash_token_blocks
+from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.openai_engine import (
     BlockRemoved as WireRemoved,
 )
@@ -32,7 +27,6 @@ from wasma.engines.openai_engine import (
     RemoteEngineError,
     url_host,
 )
-from wasma.scheduler.tokens import hash_token_blocks
 
 BS = 32
 METRICS = """\

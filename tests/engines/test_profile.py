@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from wasma.engines.sim.profile import (
+from wasma.core.profile import (
     Profile,
     ProfileError,
     StepModel,

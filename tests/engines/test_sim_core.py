@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from wasma.engines.base import KVEvent
+from wasma.core.events import KVEvent
+from wasma.core.profile import Profile, StepModel, load_profile
+from wasma.core.tokens import BlockHasher, Piece
 from wasma.engines.sim.core import SimEngineCore, SimRequest
-from wasma.engines.sim.profile import Profile, StepModel, load_profile
 from wasma.scheduler.prefix_index import PrefixIndex
-from wasma.scheduler.tokens import BlockHasher, Piece
 
 BS = 4
 

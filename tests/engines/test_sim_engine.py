@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from wasma.engines.base import BlockStored, GenerateRequest, KVEvent, TokenChunk
-from wasma.engines.sim.profile import load_profile
+from wasma.core.events import BlockStored, KVEvent
+from wasma.core.profile import load_profile
+from wasma.core.tokens import hash_token_blocks
+from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.sim_engine import SimEngine, sim_output_tokens
-from wasma.scheduler.tokens import hash_token_blocks
 
 PROFILE = load_profile("llama3-8b-h100")
 BS = PROFILE.block_size

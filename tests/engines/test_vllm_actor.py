@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from wasma.engines.base import BlockStored, GenerateRequest, KVEvent
-from wasma.scheduler.tokens import hash_token_blocks
+from wasma.core.events import BlockStored, KVEvent
+from wasma.core.tokens import hash_token_blocks
+from wasma.engines.base import GenerateRequest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

@@ -9,15 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from wasma.engines.base import (
-    AllBlocksCleared,
-    BlockStored,
-    GenerateRequest,
-    KVEvent,
-    TokenChunk,
-)
+from wasma.core.events import AllBlocksCleared, BlockStored, KVEvent
+from wasma.core.tokens import ROOT_HASH, hash_token_blocks
+from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.vllm_engine import VLLMEngine
-from wasma.scheduler.tokens import ROOT_HASH, hash_token_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 

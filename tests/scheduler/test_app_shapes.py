@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.app_shapes import AppShapes, role_of
 from wasma.scheduler.policy import PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.calibration import (
     CalibrationConfig,
     CostCalibrator,

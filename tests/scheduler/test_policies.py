@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wasma.engines.base import BlockStored
-from wasma.engines.sim.profile import Profile, load_profile
+from wasma.core.events import BlockStored
+from wasma.core.profile import Profile, load_profile
 from wasma.scheduler.policies.wasma import Wasma
 from wasma.scheduler.policy import (
     NoHealthyEngine,
@@ -378,7 +378,7 @@ def siblings_workflow(k: int = 4, doc: int = 3000) -> Workflow:
 
 def test_wasma_colocates_siblings_with_shared_prefix() -> None:
     """Siblings placed back to back, before any engine reports KV, land together."""
-    from wasma.scheduler.tokens import BlockHasher
+    from wasma.core.tokens import BlockHasher
 
     ctx = make_ctx(n=4)
     router = Router(ctx, policy("wasma", ctx))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wasma.engines.base import AllBlocksCleared, BlockRemoved, BlockStored
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from wasma.scheduler.prefix_index import PrefixIndex
 
 ENGINES = ["e0", "e1", "e2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wasma.engines.base import EngineStats
+from wasma.core.events import EngineStats
 from wasma.scheduler.state import Charge, ClusterState
 from wasma.scheduler.workflow import Node, OutputOf, Unique, Workflow
 from wasma.scheduler.workflows import WorkflowRegistry

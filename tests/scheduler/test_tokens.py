@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wasma.scheduler.tokens import (
+from wasma.core.tokens import (
     ROOT_HASH,
     BlockHasher,
     Piece,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from wasma.scheduler.tokens import Piece, span_tokens, stream_id
+from wasma.core.tokens import Piece, span_tokens, stream_id
 from wasma.scheduler.workflow import (
     MAX_OUTPUT_TOKENS,
     MAX_SEGMENT_TOKENS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wasma.benchmarks.transfer_bench import MIB, P2P_CONFIGS, Samples, fit, with_memory
+from wasma.benchmarks.studies.transfer_bench import MIB, P2P_CONFIGS, Samples, fit, with_memory
 
 
 def synthetic(start: float, alpha: float, beta: float) -> dict[tuple[int, int], Samples]:

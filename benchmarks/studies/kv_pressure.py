@@ -1,7 +1,7 @@
 """What KV retention buys when the KV pool is small.
 
-    python -m wasma.benchmarks.kv_pressure                        # 64k and 32k KV tokens an engine
-    python -m wasma.benchmarks.kv_pressure --kv-tokens 65536 --loads 1,1.5,2
+    python -m wasma.benchmarks.studies.kv_pressure  # 64k and 32k KV tokens an engine
+    python -m wasma.benchmarks.studies.kv_pressure --kv-tokens 65536 --loads 1,1.5,2
 
 `make bench`'s ablation runs `llama3-8b-h100` as it is, 450k KV tokens an engine: vLLM
 admits every request it has KV for and evicts nothing that retention would keep, so
@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.bench import Runner, RunSpec, sweep_capacity
-from wasma.benchmarks.targets import ABLATIONS
-from wasma.engines.sim.profile import Profile, load_profile
+from wasma.benchmarks.studies.targets import ABLATIONS
+from wasma.core.profile import Profile, load_profile
 from wasma.scheduler.trace import write_trace
 
 APPS = ("pipeline", "mapreduce", "debate")
@@ -53,7 +53,7 @@ def pressure_profile(base: Profile, kv_tokens: int, out: Path) -> Path:
         max_model_len=model_len,
         sources=(
             *base.sources,
-            f"KV pool cut to {kv_tokens} tokens an engine by benchmarks/kv_pressure.py",
+            f"KV pool cut to {kv_tokens} tokens an engine by benchmarks/studies/kv_pressure.py",
         ),
     )
     data: dict[str, Any] = dataclasses.asdict(variant)

@@ -1,7 +1,7 @@
 """Soak: minutes of `wasma replay` against a gateway over `sim` engines, with engine
 faults injected, reporting memory growth (RSS) and p99 drift. A benchmark, not a test.
 
-    python -m wasma.benchmarks.soak --minutes 10 --engines 3 --out out/soak.json
+    python -m wasma.benchmarks.studies.soak --minutes 10 --engines 3 --out out/soak.json
 
 Everything runs in this process (gateway, router, simulated engines, replay client), so
 the RSS it reports bounds the server's own. Each window replays a fresh batch of
@@ -29,12 +29,12 @@ import psutil
 
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.replay import Replayer
+from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
 from wasma.deploy.tokenizer import ByteTokenizer
-from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 
 

@@ -1,7 +1,7 @@
 """Transfer benchmark: the CPU executor against memcpy, pipelined broadcast against
 point-to-point, and the planner's predictions against measurements.
 
-    python -m wasma.benchmarks.transfer_bench [--mib 64] [--repeats 11] [--out DIR]
+    python -m wasma.benchmarks.studies.transfer_bench [--mib 64] [--repeats 11] [--out DIR]
 
 Writes DIR/transfer_bench.json and DIR/transfer_bench.png and prints a table. Every
 comparison is measured in the same run, interleaved, so machine load hits both sides;

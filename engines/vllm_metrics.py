@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from wasma.deploy.metrics import WasmaMetrics
-
 
 @dataclass(frozen=True)
 class VllmMetrics:
@@ -168,20 +166,3 @@ async def scrape_vllm_metrics(
     response = await client.get(base_url.rstrip("/") + "/metrics")
     response.raise_for_status()
     return parse_vllm_metrics(response.text, model_name)
-
-
-def fold_into(metrics: WasmaMetrics, engine: str, scraped: VllmMetrics, outstanding: int) -> None:
-    """Publish one engine's scrape in the cluster view (`wasma_engine_*` gauges).
-
-    `outstanding` is the router's own count: it includes requests still in flight to the
-    engine, which the engine's running/waiting gauges do not see yet.
-    """
-    kv = scraped.kv_cache_usage_ratio
-    metrics.set_engine(
-        engine,
-        outstanding=outstanding,
-        running=None if scraped.num_requests_running is None else int(scraped.num_requests_running),
-        waiting=None if scraped.num_requests_waiting is None else int(scraped.num_requests_waiting),
-        # vLLM can report a hair above 1.0 from float rounding; the gauge is a ratio.
-        kv_usage=None if kv is None else min(max(kv, 0.0), 1.0),
-    )

@@ -174,13 +174,13 @@ def _finite_number(value: Any) -> TypeGuard[int | float]:
 
 
 def builtin_profiles() -> list[str]:
-    root = resources.files("wasma.engines") / "profiles"
+    root = resources.files("wasma.core") / "profiles"
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name (`llama3-8b-h100`, `tiny-cpu`) or a YAML file."""
-    root = resources.files("wasma.engines") / "profiles"
+    root = resources.files("wasma.core") / "profiles"
     builtin = root / f"{name_or_path}.yaml"
     if builtin.is_file():
         text, where = builtin.read_text(), f"profile {name_or_path}"

@@ -1,8 +1,9 @@
 """Simulator speed: simulated requests per second of one core, and a large-cluster run.
 
-    python -m wasma.benchmarks.sim_speed                     # the three apps at 8 engines
-    python -m wasma.benchmarks.sim_speed --large             # + 1,024 engines, 100,000 workflows
-    python -m wasma.benchmarks.sim_speed --token-scale 0.02  # the same apps, 50x fewer tokens
+    python -m wasma.benchmarks.studies.sim_speed                     # the three apps at 8 engines
+    python -m wasma.benchmarks.studies.sim_speed --large  # + 1,024 engines, 100,000 workflows
+    python -m wasma.benchmarks.studies.sim_speed --token-scale 0.02
+        # the same apps, 50x fewer tokens
 
 CPU time (time.process_time) is reported beside wall time: on a shared machine, wall time
 also counts other processes' turns on the core. Other processes still slow a run's CPU
@@ -24,7 +25,7 @@ from typing import Any
 
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.sim_replay import RunResult, SimReplay
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 
 
 def measure(

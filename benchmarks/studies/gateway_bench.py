@@ -1,7 +1,7 @@
 """Gateway overhead and throughput with simulated engines.
 
-    python -m wasma.benchmarks.gateway_bench [--engines 8] [--duration 10] [--connections 64]
-        [--mode inproc|ray|both] [--out FILE]
+    python -m wasma.benchmarks.studies.gateway_bench [--engines 8] [--duration 10]
+        [--connections 64] [--mode inproc|ray|both] [--out FILE]
 
 1. TTFT overhead: the same sequential requests (1 prompt of 256 token ids, 8 output tokens)
    sent (a) straight to a `SimEngine` in this process and (b) streamed through the gateway
@@ -141,8 +141,8 @@ def _load_proc(host: str, port: int, connections: int, duration_s: float, q: Any
 
 
 async def _ttft_direct(n: int, speed: float) -> list[float]:
+    from wasma.core.profile import load_profile
     from wasma.engines.base import GenerateRequest
-    from wasma.engines.sim.profile import load_profile
     from wasma.engines.sim_engine import SimEngine
 
     eng = SimEngine("direct", load_profile("llama3-8b-h100"), speed=speed)

@@ -1,9 +1,9 @@
 """How far the policy's targets depend on the trace: `make bench`'s target cells on
 several trace seeds.
 
-    python -m wasma.benchmarks.target_seeds                          # seeds 7-11, three apps
-    python -m wasma.benchmarks.target_seeds --seeds 7,8 --apps debate
-    python -m wasma.benchmarks.target_seeds --param wasma.admission_bias=true --out DIR
+    python -m wasma.benchmarks.studies.target_seeds  # seeds 7-11, three apps
+    python -m wasma.benchmarks.studies.target_seeds --seeds 7,8 --apps debate
+    python -m wasma.benchmarks.studies.target_seeds --param wasma.admission_bias=true --out DIR
 
 `make bench` measures each target on one trace an app (seed 7). The cells at and above
 least_loaded's knee sit where a workflow more or less meeting its deadline moves
@@ -39,9 +39,9 @@ from tqdm import tqdm
 from wasma.benchmarks.apps import app_specs, generate
 from wasma.benchmarks.bench import Runner, RunSpec, sweep_capacity
 from wasma.benchmarks.metrics import prefix_hit_ceiling
-from wasma.benchmarks.targets import SWEPT
+from wasma.benchmarks.studies.targets import SWEPT
+from wasma.core.profile import load_profile
 from wasma.deploy.cli import CLIError, check_params, parse_params
-from wasma.engines.sim.profile import load_profile
 from wasma.scheduler.trace import load_trace, write_trace
 
 MULTS = (1.0, 1.5, 2.0)

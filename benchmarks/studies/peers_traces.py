@@ -17,7 +17,7 @@ import numpy as np
 
 from wasma.benchmarks.apps import critical_path_alone_s, node, sized
 from wasma.benchmarks.replay import Replayer
-from wasma.engines.sim.profile import Profile
+from wasma.core.profile import Profile
 from wasma.scheduler.workflow import ContextOf, Node, OutputOf, Segment, Shared, Unique, Workflow
 
 AppBuilder = Callable[[np.random.Generator, str], list[Node]]

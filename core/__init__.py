@@ -1,0 +1,5 @@
+"""The ground floor: the vocabulary every other package shares.
+
+KV events and engine statistics (`events`), token streams and vLLM's block-hash chain
+(`tokens`), the GPU step-time profile (`profile`). It imports nothing else of wasma.
+"""
