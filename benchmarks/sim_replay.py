@@ -17,14 +17,11 @@ from wasma.core.tokens import BlockHasher
 from wasma.engines.base import DEFAULT_RETAIN_S
 from wasma.engines.sim.core import SimEngineCore, SimRequest
 from wasma.scheduler.copies import CopySchedule
-from wasma.scheduler.policy import PolicyContext, RequestInfo
-from wasma.scheduler.prefix_index import PrefixIndex
+from wasma.scheduler.dispatch import Dispatcher, DispatcherConfig, HeldQueue
+from wasma.scheduler.policy import RequestInfo
 from wasma.scheduler.pricing import DeviceMappedPricer, TransferPricer, hgx_devices
-from wasma.scheduler.registry import PolicyRegistry, default_registry
-from wasma.scheduler.router import Router
-from wasma.scheduler.state import ClusterState
+from wasma.scheduler.registry import PolicyRegistry
 from wasma.scheduler.workflow import Workflow
-from wasma.scheduler.workflows import WorkflowRegistry
 
 
 @dataclass(slots=True)
@@ -127,22 +124,24 @@ class SimReplay:
         self.rate_scale = rate_scale
         names = [f"e{i}" for i in range(num_engines)]
         self.names = names
-        state = ClusterState(names, num_kv_blocks=profile.num_kv_blocks - 1)
-        index = PrefixIndex(names, max_blocks=index_cap)
-        self.ctx = PolicyContext(
-            state=state,
-            index=index,
-            workflows=WorkflowRegistry(keep_finished=1000),
-            profile=profile,
+        self.dispatch = Dispatcher(
+            names,
+            profile,
+            DispatcherConfig(
+                policy=policy,
+                params=dict(params or {}),
+                num_kv_blocks=profile.num_kv_blocks - 1,
+                relay_copies=True,
+                keep_finished=1000,
+                index_cap=index_cap,
+            ),
+            registry=registry,
             pricer=pricer or topology_pricer(names),
-            params=dict(params or {}),
-            can_defer=True,
-            relay_copies=True,
         )
-        reg = registry or default_registry()
+        self.ctx = self.dispatch.ctx
         self.policy_name = policy
-        self.router = Router(self.ctx, reg.create(policy, self.ctx))
-        sink = self.router.on_kv_event
+        self.router = self.dispatch.router
+        sink = self.dispatch.on_kv_event
         self.engines = [
             SimEngineCore(n, profile, engine_policy, kv_sink=sink, fast_forward=fast_forward)
             for n in names
@@ -180,8 +179,8 @@ class SimReplay:
         # running never counts as work that could free capacity for held requests.
         self._leases: list[tuple[float, int, str]] = []
         self._macro: set[int] = set()  # engines in a macro step, synced before decisions
-        # Requests the policy held back (deadline-aware admission), by priority.
-        self._held: list[tuple[int, int, Workflow, str, float]] = []
+        # Requests the policy held back (deadline-aware admission): (workflow, node, since).
+        self._held: HeldQueue[tuple[Workflow, str, float]] = HeldQueue()
         self.held_total = 0
         self.records: list[RequestRecord] = []
         self.wf_records: list[WorkflowRecord] = []
@@ -229,8 +228,8 @@ class SimReplay:
         if wst is None and not self.register_dags:
             # A live router opens an unregistered workflow at its first request, with the
             # deadline that request carries (relative to the workflow's start).
-            wst = self.ctx.workflows.ensure(
-                wf.workflow_id, wf.app, wf.arrival_s / self.rate_scale, wf.deadline_s
+            wst = self.dispatch.open_request(
+                wf.workflow_id, wf.app, wf.deadline_s, wf.arrival_s / self.rate_scale, track=False
             )
         deadline = wst.deadline_s if wst is not None else float("inf")
         info = RequestInfo(
@@ -249,16 +248,14 @@ class SimReplay:
         engines = self.engines
         for slot in self._macro:
             engines[slot].sync(now)
-        placement = self.router.route(info, now, force)
-        if placement.defer:
-            heapq.heappush(
-                self._held, (placement.hold_order, self._seq, wf, node_id, held_since or now)
-            )
-            self._seq += 1
+        decision = self.dispatch.place(info, now, force)
+        placement = decision.placement
+        if decision.held:
+            self._held.push(placement, (wf, node_id, held_since or now))
             self.held_total += 1
             return
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
-        for key in self.router.retention.take(placement.engine):
+        for key in decision.release:
             self._end_retention(key, now)
         if placement.retain:
             use = placement.retain_use_s
@@ -312,7 +309,7 @@ class SimReplay:
                 moved,
             )
         )
-        ready = self.router.on_finish(req.request_id, wf.workflow_id, node_id, now)
+        ready = self.dispatch.finish(req.request_id, wf.workflow_id, node_id, now).ready
         if not self.register_dags:
             done = self._finished_nodes.setdefault(wf.workflow_id, set())
             done.add(node_id)
@@ -323,7 +320,7 @@ class SimReplay:
             if not self.register_dags:
                 # The agent's run is over: the router learns the app's shape from it.
                 self._finished_nodes.pop(wf.workflow_id, None)
-                self.ctx.workflows.close(wf.workflow_id, now)
+                self.dispatch.close_live(wf.workflow_id, now)
             arrival = wf.arrival_s / self.rate_scale
             self.wf_records.append(
                 WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
@@ -346,7 +343,9 @@ class SimReplay:
         held = self._held
         force = force_first
         while held:
-            _prio, _seq, wf, node_id, since = heapq.heappop(held)
+            ticket = held.pop()
+            assert ticket is not None
+            wf, node_id, since = ticket
             before = len(held)
             self._submit(wf, node_id, now, held_since=since, force=force)
             force = False
@@ -355,7 +354,7 @@ class SimReplay:
 
     def _arrive(self, wf: Workflow, now: float) -> None:
         if self.register_dags:
-            self.ctx.workflows.register(wf, now)
+            self.dispatch.register(wf, wf.workflow_id, now)
         self._left[wf.workflow_id] = len(wf.nodes)
         for root in wf.roots():
             self._submit(wf, root, now)
@@ -367,7 +366,7 @@ class SimReplay:
         i, n = 0, len(wfs)
         heap = self._heap
         scale = self.rate_scale
-        engines, state, router = self.engines, self.ctx.state, self.router
+        engines, dispatch = self.engines, self.dispatch
         leases = self._leases
         while i < n or heap:
             next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
@@ -384,12 +383,12 @@ class SimReplay:
                     core = engines[slot]
                     self._macro.discard(slot)
                     out = core.complete_step(now)
-                    state.on_stats(slot, core.stats())
+                    dispatch.on_stats(slot, core.stats())
                     for req in out.first_tokens:
-                        router.on_first_token(req.request_id)
+                        dispatch.on_first_token(req.request_id)
                     for req in out.finished:
                         if req.first_token_time < 0:
-                            router.on_first_token(req.request_id)
+                            dispatch.on_first_token(req.request_id)
                         self._on_finished(slot, req, now)
                     if not core.busy and core.has_work():
                         self._start(slot, now)
@@ -417,7 +416,7 @@ class SimReplay:
             rate_scale=self.rate_scale,
             requests=self.records,
             workflows=self.wf_records,
-            decision_us=list(router.decision_us),
+            decision_us=list(dispatch.decision_us),
             wall_s=time.perf_counter() - t_wall,
             engine_steps=sum(e.steps for e in engines),
             engine_prefix_queries=sum(e.kv.queries_tokens for e in engines),

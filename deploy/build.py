@@ -18,7 +18,9 @@ from wasma.core.profile import Profile, load_profile
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.deploy.ray_channel import ChannelServer
-from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import ServiceRequest
 from wasma.engines.base import DEFAULT_RETAIN_S, EngineClient, launch_all
 from wasma.scheduler.pricing import LinkBandwidthPricer, TransferPricer
 
@@ -208,15 +210,17 @@ async def build_service(cfg: ServiceConfig, metrics: WasmaMetrics | None = None)
         service = RouterService(
             engines,
             profile,
-            policy=cfg.policy,
-            params=cfg.params,
+            RouterConfig(
+                policy=cfg.policy,
+                params=cfg.params,
+                max_outstanding=cfg.max_outstanding,
+                request_timeout_s=cfg.request_timeout_s,
+                health_timeout_s=cfg.health_timeout_s,
+                max_failovers=cfg.max_failovers,
+                max_hold_s=cfg.max_hold_s,
+                retain_lease_s=cfg.retain_lease_s,
+            ),
             metrics=metrics,
-            max_outstanding=cfg.max_outstanding,
-            request_timeout_s=cfg.request_timeout_s,
-            health_timeout_s=cfg.health_timeout_s,
-            max_failovers=cfg.max_failovers,
-            max_hold_s=cfg.max_hold_s,
-            retain_lease_s=cfg.retain_lease_s,
             journal=WorkflowJournal(cfg.journal) if cfg.journal else None,
             pricer=transfer_pricer(cfg, engines),
         )

@@ -47,7 +47,7 @@ from wasma.deploy.openai_api import (
     usage,
 )
 from wasma.deploy.router_client import RouterClient, TokenStream
-from wasma.deploy.router_service import ServiceError, ServiceRequest, tenant_of
+from wasma.deploy.service_types import ServiceError, ServiceRequest, tenant_of
 from wasma.deploy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

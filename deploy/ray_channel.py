@@ -21,13 +21,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from wasma.deploy.router_service import (
-    RouterService,
-    ServiceError,
-    ServiceRequest,
-    ServiceResult,
-    Unavailable,
-)
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import ServiceError, ServiceRequest, ServiceResult, Unavailable
 from wasma.engines.base import TokenChunk
 
 log = logging.getLogger(__name__)

@@ -11,13 +11,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from wasma.deploy.ray_channel import ChannelClient
-from wasma.deploy.router_service import (
-    RouterService,
-    ServiceError,
-    ServiceRequest,
-    ServiceResult,
-    Unavailable,
-)
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import ServiceError, ServiceRequest, ServiceResult, Unavailable
 from wasma.engines.base import TokenChunk
 
 

@@ -148,6 +148,10 @@ class Policy(ABC):
     param_bounds: ClassVar[Mapping[str, tuple[float, float]]] = {}
     # Whether the policy reads `ctx.inflight`; the router maintains it only then.
     reads_inflight: ClassVar[bool] = False
+    # Whether the policy derives constants from `ctx.profile` when built (a per-token
+    # prefill price, a critical-path cache): a recalibrated profile then reaches it only
+    # through a fresh instance. Others keep their state (rotation counters, prefix trees).
+    uses_cost_model: ClassVar[bool] = False
 
     def __init__(self, ctx: PolicyContext) -> None:
         unknown = set(ctx.params) - set(self.params)

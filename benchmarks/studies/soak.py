@@ -32,6 +32,7 @@ from wasma.benchmarks.replay import Replayer
 from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
 from wasma.deploy.tokenizer import ByteTokenizer
@@ -53,11 +54,13 @@ class SoakServer:
             self.service = RouterService(
                 self.engines,
                 self.profile,
-                policy="wasma",
-                stats_interval_s=0.25,
-                health_timeout_s=1.0,
-                request_timeout_s=30.0,
-                idle_workflow_s=10.0,
+                RouterConfig(
+                    policy="wasma",
+                    stats_interval_s=0.25,
+                    health_timeout_s=1.0,
+                    request_timeout_s=30.0,
+                    idle_workflow_s=10.0,
+                ),
             )
             await self.service.start()
             return LocalRouterClient(self.service)
@@ -76,8 +79,8 @@ class SoakServer:
             "prefix_index_blocks": len(svc.ctx.index),
             "workflows_active": len(svc.ctx.workflows.active),
             "workflows_finished_kept": len(svc.ctx.workflows.finished),
-            "live_workflows": len(svc._open_wf),
-            "requests_in_flight": len(svc._live),
+            "live_workflows": svc.dispatch.open_workflows,
+            "requests_in_flight": svc.in_flight,
         }
 
 

@@ -77,6 +77,7 @@ def _lease_s(remaining: float | None) -> float | None:
 class Wasma(Policy):
     name = "wasma"
     reads_inflight = True
+    uses_cost_model = True
     # Skip pricing moves to engines that cannot win (a bound; decisions are unchanged).
     prune: ClassVar[bool] = True
     params: ClassVar[dict[str, Any]] = {

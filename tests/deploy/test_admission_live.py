@@ -13,7 +13,9 @@ import pytest
 from wasma.benchmarks.studies.kv_pressure import pressure_profile
 from wasma.core.profile import load_profile
 from wasma.deploy.metadata import WorkflowIdentity
-from wasma.deploy.router_service import BadRequest, RouterService, ServiceRequest
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import BadRequest, ServiceRequest
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
@@ -60,10 +62,8 @@ def _holding_service(speed: float, recheck_s: float, **kw: Any) -> RouterService
     return RouterService(
         [SimEngine("s0", PROFILE, speed=speed)],
         PROFILE,
-        policy=_HoldsEverything.name,
+        RouterConfig(policy=_HoldsEverything.name, held_recheck_s=recheck_s, **kw),
         registry=reg,
-        held_recheck_s=recheck_s,
-        **kw,
     )
 
 
@@ -84,7 +84,9 @@ async def test_held_requests_all_complete_even_if_the_policy_never_lets_go() -> 
 
 async def test_a_hopeless_workflow_waits_for_a_quiet_engine_then_completes() -> None:
     svc = RouterService(
-        [SimEngine("s0", PROFILE, speed=20.0)], PROFILE, policy="wasma", held_recheck_s=0.01
+        [SimEngine("s0", PROFILE, speed=20.0)],
+        PROFILE,
+        RouterConfig(policy="wasma", held_recheck_s=0.01),
     )
     await svc.start()
     try:
@@ -164,7 +166,9 @@ def test_max_hold_s_must_be_positive() -> None:
 async def test_a_new_workflow_waits_while_its_engine_kv_is_spoken_for(tmp_path: Path) -> None:
     # A 16k-token KV pool (1,024 blocks): three 4,800-token prompts take 903 of them.
     small = load_profile(str(pressure_profile(PROFILE, 16384, tmp_path)))
-    svc = RouterService([SimEngine("s0", small)], small, policy="wasma", held_recheck_s=0.01)
+    svc = RouterService(
+        [SimEngine("s0", small)], small, RouterConfig(policy="wasma", held_recheck_s=0.01)
+    )
     await svc.start()
     try:
         background = await _background(svc, 3, 4800, 2000)
@@ -191,7 +195,7 @@ async def test_max_hold_s_from_the_config_file_reaches_the_router(tmp_path: Path
     kw = _reliability(load_config_file(str(path))["reliability"])
     svc = await build_service(ServiceConfig(engines=EngineSpec.parse("sim:1"), **kw))
     try:
-        assert svc.max_hold_s == 12.0
+        assert svc.config.max_hold_s == 12.0
     finally:
         await svc.close()
     for bad in ("0", "-1", ".nan"):

@@ -24,14 +24,10 @@ from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
-from wasma.deploy.router_service import (
-    BadRequest,
-    NotFound,
-    RouterService,
-    ServiceRequest,
-    Unavailable,
-)
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
+from wasma.deploy.service_types import BadRequest, NotFound, ServiceRequest, Unavailable
 from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk, launch_all
 from wasma.engines.sim_engine import SimEngine
@@ -55,7 +51,9 @@ def _engines(n: int, speed: float = 20.0) -> list[SimEngine]:
 
 @pytest.fixture
 async def service() -> AsyncIterator[RouterService]:
-    svc = RouterService(_engines(3), load_profile("llama3-8b-h100"), policy="least_loaded", **FAST)
+    svc = RouterService(
+        _engines(3), load_profile("llama3-8b-h100"), RouterConfig(policy="least_loaded", **FAST)
+    )
     await svc.start()
     try:
         yield svc
@@ -196,7 +194,7 @@ async def test_engines_that_look_healthy_but_fail(mode: str) -> None:
     profile = load_profile("llama3-8b-h100")
     engines: list[EngineClient] = [_Faulty("bad", mode), *_engines(1)]
     fast = {**FAST, "request_timeout_s": 0.3}
-    svc = RouterService(engines, profile, policy="round_robin", **fast)
+    svc = RouterService(engines, profile, RouterConfig(policy="round_robin", **fast))
     await svc.start()
     try:
         res = await svc.complete(_req(1, max_tokens=5))
@@ -222,7 +220,7 @@ class _NaNStats(SimEngine):
 async def test_a_nan_kv_usage_report_neither_stops_the_poller_nor_reaches_the_gauge() -> None:
     profile = load_profile("llama3-8b-h100")
     engines: list[EngineClient] = [_NaNStats("nan", profile, speed=20.0), *_engines(1)]
-    svc = RouterService(engines, profile, policy="least_loaded", **FAST)
+    svc = RouterService(engines, profile, RouterConfig(policy="least_loaded", **FAST))
     await svc.start()
     try:
         await _until(lambda: 'wasma_engine_kv_usage_ratio{engine="nan"} 0.0' in _page(svc))
@@ -254,7 +252,10 @@ async def test_a_failover_is_charged_to_its_new_engine_even_where_the_policy_wou
     reg.register(_HoldsOnTheFirstHealthy.name, _HoldsOnTheFirstHealthy)
     profile = load_profile("llama3-8b-h100")
     svc = RouterService(
-        _engines(2), profile, policy=_HoldsOnTheFirstHealthy.name, registry=reg, **FAST
+        _engines(2),
+        profile,
+        RouterConfig(policy=_HoldsOnTheFirstHealthy.name, **FAST),
+        registry=reg,
     )
     await svc.start()
     try:
@@ -280,7 +281,7 @@ async def test_requests_without_workflow_metadata_leave_no_workflow_behind(
     await asyncio.gather(*(service.complete(_req(i, max_tokens=4)) for i in range(5)))
     assert service.completed == 5
     assert not service.ctx.workflows.active
-    assert not service._open_wf  # nothing for the idle sweep to keep visiting
+    assert not service.dispatch.open_workflows  # nothing for the idle sweep to keep visiting
 
 
 # -- chaos: kill one of three engines behind a live gateway during a replay ------------
@@ -320,7 +321,7 @@ class _Chaos:
         async def factory() -> RouterClient:
             self.loop = asyncio.get_running_loop()
             svc = RouterService(
-                self.engines, load_profile("llama3-8b-h100"), policy="wasma", **FAST
+                self.engines, load_profile("llama3-8b-h100"), RouterConfig(policy="wasma", **FAST)
             )
             await svc.start()
             self.service = svc
@@ -387,12 +388,14 @@ async def test_a_restarted_router_replays_registered_workflows(tmp_path: Path) -
         ident = WorkflowIdentity(workflow_id="w1", node_id=nid, parents=parents)
         return ServiceRequest(f"r-{nid}", [9] * 40, 4, ident, tenant="t")
 
-    first = RouterService(_engines(2), profile, journal=WorkflowJournal(path), **FAST)
+    first = RouterService(_engines(2), profile, RouterConfig(**FAST), journal=WorkflowJournal(path))
     await first.start()
     first.register_workflow(dag, tenant="t")
     await first.complete(node("a"))
     # The router dies here (no close): a new one starts on the same journal.
-    second = RouterService(_engines(2), profile, journal=WorkflowJournal(path), **FAST)
+    second = RouterService(
+        _engines(2), profile, RouterConfig(**FAST), journal=WorkflowJournal(path)
+    )
     await second.start()
     status = second.workflow_status("w1", "t")
     assert status["registered"] and status["status"] == "active"
@@ -441,10 +444,12 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         svc = RouterService(
             list(engines),
             load_profile("tiny-cpu"),
-            policy="least_loaded",
-            health_timeout_s=10.0,
-            request_timeout_s=60.0,
-            breaker_base_s=0.2,
+            RouterConfig(
+                policy="least_loaded",
+                health_timeout_s=10.0,
+                request_timeout_s=60.0,
+                breaker_base_s=0.2,
+            ),
         )
         await svc.start()
         holder.update(loop=asyncio.get_running_loop(), svc=svc)

@@ -20,6 +20,7 @@ from wasma.core.profile import load_profile
 from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
 from wasma.deploy.tokenizer import ByteTokenizer
@@ -420,7 +421,7 @@ def _small_gateway(engines: Callable[[], list[EngineClient]], **kw: Any) -> Serv
     profile = load_profile("llama3-8b-h100")
 
     async def factory() -> RouterClient:
-        service = RouterService(engines(), profile, policy="least_loaded", **kw)
+        service = RouterService(engines(), profile, RouterConfig(policy="least_loaded", **kw))
         await service.start()
         return LocalRouterClient(service)
 
@@ -452,7 +453,9 @@ def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -
 
     async def factory() -> RouterClient:
         engines: list[EngineClient] = [SimEngine("s0", profile)]
-        service = RouterService(engines, profile, policy=_HoldsEverything.name, registry=reg)
+        service = RouterService(
+            engines, profile, RouterConfig(policy=_HoldsEverything.name), registry=reg
+        )
         await service.start()
         return LocalRouterClient(service)
 

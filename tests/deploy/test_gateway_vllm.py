@@ -28,6 +28,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     from wasma.core.profile import load_profile
     from wasma.deploy.gateway import GatewayConfig, create_app
     from wasma.deploy.router_client import LocalRouterClient, RouterClient
+    from wasma.deploy.router_config import RouterConfig
     from wasma.deploy.router_service import RouterService
     from wasma.deploy.tokenizer import HFTokenizer
     from wasma.engines.tiny_model import write_tiny_model
@@ -40,7 +41,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
         cfg = VLLMEngineConfig(model=model)
         engines = await launch_all(VLLMEngine.launch(f"vllm{i}", cfg) for i in range(2))
-        service = RouterService(list(engines), load_profile("tiny-cpu"), policy="wasma")
+        service = RouterService(
+            list(engines), load_profile("tiny-cpu"), RouterConfig(policy="wasma")
+        )
         await service.start()
         return LocalRouterClient(service)
 

@@ -15,8 +15,10 @@ from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
-from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port
+from wasma.deploy.service_types import ServiceRequest
 from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
@@ -36,7 +38,7 @@ def _gateway(cfg: GatewayConfig, admin_port: int | None = None, **kw: Any) -> Se
 
     async def factory() -> RouterClient:
         engines = [SimEngine(f"s{i}", profile, speed=kw.pop("speed", 50.0)) for i in range(2)]
-        service = RouterService(engines, profile, policy="least_loaded", **kw)
+        service = RouterService(engines, profile, RouterConfig(policy="least_loaded", **kw))
         await service.start()
         return LocalRouterClient(service)
 
@@ -149,7 +151,9 @@ def test_a_burst_far_above_capacity_gets_429s_then_normal_service() -> None:
 
 async def test_abandoned_registered_workflows_are_swept() -> None:
     profile = load_profile("llama3-8b-h100")
-    svc = RouterService([SimEngine("s0", profile, speed=50.0)], profile, idle_workflow_s=0.2)
+    svc = RouterService(
+        [SimEngine("s0", profile, speed=50.0)], profile, RouterConfig(idle_workflow_s=0.2)
+    )
     await svc.start()
     try:
         node = {"parents": [], "output_tokens": 2, "prompt": [{"unique": 4}]}

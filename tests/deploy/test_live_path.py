@@ -20,8 +20,10 @@ from starlette.routing import Route
 from wasma.core.profile import load_profile
 from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import Gateway, GatewayConfig, create_app
-from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, local_router_factory
+from wasma.deploy.service_types import ServiceRequest
 from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
@@ -256,8 +258,7 @@ async def test_router_service_learns_engine_speed_and_rebuilds_the_cost_model() 
     svc = RouterService(
         engines,
         true_profile,
-        policy="wasma",
-        calibration=CalibrationConfig(warmup_requests=4, weight=0.3),
+        RouterConfig(policy="wasma", calibration=CalibrationConfig(warmup_requests=4, weight=0.3)),
     )
     await svc.start()
     try:
@@ -284,7 +285,9 @@ async def test_router_service_learns_engine_speed_and_rebuilds_the_cost_model() 
 
 async def test_simulated_engines_are_not_calibrated_by_default() -> None:
     profile = load_profile("tiny-cpu")
-    svc = RouterService([SimEngine("s0", profile, speed=20.0)], profile, policy="wasma")
+    svc = RouterService(
+        [SimEngine("s0", profile, speed=20.0)], profile, RouterConfig(policy="wasma")
+    )
     await svc.start()
     try:
         assert svc.calibrator is None
@@ -298,7 +301,9 @@ async def test_simulated_engines_are_not_calibrated_by_default() -> None:
 async def test_baseline_policies_keep_their_instance_when_recalibrated() -> None:
     profile = load_profile("tiny-cpu")
     svc = RouterService(
-        [SimEngine("s0", profile, speed=20.0)], profile, policy="round_robin", calibration=True
+        [SimEngine("s0", profile, speed=20.0)],
+        profile,
+        RouterConfig(policy="round_robin", calibration=True),
     )
     policy = svc.router.policy
     svc.set_profile(load_profile("tiny-cpu"))
@@ -347,7 +352,9 @@ async def test_calibration_can_be_turned_off_and_the_fitted_profile_returns() ->
 
     profile = load_profile("tiny-cpu")
     svc = RouterService(
-        [SimEngine("s0", profile, speed=20.0)], profile, policy="wasma", calibration=True
+        [SimEngine("s0", profile, speed=20.0)],
+        profile,
+        RouterConfig(policy="wasma", calibration=True),
     )
     assert svc.calibrator is not None
     svc.set_profile(scaled_profile(profile, 3.0, 2.0))  # as a recalibration would

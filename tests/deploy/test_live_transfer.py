@@ -52,6 +52,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     from wasma.core.profile import load_profile
     from wasma.deploy.gateway import GatewayConfig, create_app
     from wasma.deploy.router_client import LocalRouterClient, RouterClient
+    from wasma.deploy.router_config import RouterConfig
     from wasma.deploy.router_service import RouterService
     from wasma.deploy.tokenizer import HFTokenizer
     from wasma.engines.tiny_model import write_tiny_model
@@ -72,7 +73,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         service = RouterService(
             list(engines),
             load_profile("tiny-cpu"),
-            policy=SteeredByNodeId.name,
+            RouterConfig(policy=SteeredByNodeId.name),
             registry=registry,
         )
         await service.start()

@@ -141,7 +141,9 @@ async def test_a_retention_lease_travels_as_vllm_xargs_and_keeps_kv(vllm_url: st
 
 async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
     from wasma.core.profile import load_profile
-    from wasma.deploy.router_service import RouterService, ServiceRequest
+    from wasma.deploy.router_config import RouterConfig
+    from wasma.deploy.router_service import RouterService
+    from wasma.deploy.service_types import ServiceRequest
     from wasma.engines.openai_engine import OpenAIEngine
     from wasma.scheduler.calibration import CalibrationConfig
 
@@ -150,8 +152,7 @@ async def test_router_calibrates_on_a_real_server(vllm_url: str) -> None:
     svc = RouterService(
         [engine],
         load_profile("tiny-cpu"),
-        policy="wasma",
-        calibration=CalibrationConfig(warmup_requests=3),
+        RouterConfig(policy="wasma", calibration=CalibrationConfig(warmup_requests=3)),
     )
     await svc.start()
     try:

@@ -8,7 +8,9 @@ import pytest
 
 from wasma.core.profile import load_profile
 from wasma.deploy.metadata import WorkflowIdentity
-from wasma.deploy.router_service import RouterService, ServiceRequest
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import ServiceRequest
 from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
@@ -51,7 +53,9 @@ async def test_a_retained_placement_asks_the_engine_for_a_lease(
     reg = PolicyRegistry()
     reg.register(policy.name, policy)
     engine = _Recording()
-    svc = RouterService([engine], PROFILE, policy=policy.name, registry=reg, retain_lease_s=45.0)
+    svc = RouterService(
+        [engine], PROFILE, RouterConfig(policy=policy.name, retain_lease_s=45.0), registry=reg
+    )
     await svc.start()
     try:
         for node in ("plan", "work"):
@@ -83,7 +87,9 @@ async def test_a_retention_ends_once_its_readers_started_by_the_next_request_the
     reg = PolicyRegistry()
     reg.register(_SaysWhenReadersStart.name, _SaysWhenReadersStart)
     engine = _Recording()
-    svc = RouterService([engine], PROFILE, policy=_SaysWhenReadersStart.name, registry=reg)
+    svc = RouterService(
+        [engine], PROFILE, RouterConfig(policy=_SaysWhenReadersStart.name), registry=reg
+    )
     await svc.start()
     try:
         svc.register_workflow(
@@ -155,7 +161,9 @@ async def test_a_retention_moved_by_a_failover_is_released_by_the_routers_id() -
     reg = PolicyRegistry()
     reg.register(_RetainsOnFirstHealthy.name, _RetainsOnFirstHealthy)
     first, second = _Recording("s0"), _Recording("s1")
-    svc = RouterService([first, second], PROFILE, policy=_RetainsOnFirstHealthy.name, registry=reg)
+    svc = RouterService(
+        [first, second], PROFILE, RouterConfig(policy=_RetainsOnFirstHealthy.name), registry=reg
+    )
     await svc.start()
     try:
         svc.register_workflow(_PLAN_AND_READERS)
@@ -186,6 +194,6 @@ async def test_the_config_lease_reaches_the_router() -> None:
     cfg = ServiceConfig(engines=EngineSpec.parse("sim:1"), retain_lease_s=30.0)
     svc = await build_service(cfg)
     try:
-        assert svc.retain_lease_s == 30.0
+        assert svc.config.retain_lease_s == 30.0
     finally:
         await svc.close()

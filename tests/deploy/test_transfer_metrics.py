@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wasma.core.events import EngineStats
 from wasma.core.profile import load_profile
+from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.engines.sim_engine import SimEngine
 
@@ -58,7 +59,9 @@ async def _until(pred: Callable[[], bool], timeout: float = 20.0) -> None:
 
 async def test_each_kv_load_an_engine_reports_is_counted_once() -> None:
     engine = _Loading("v0")
-    svc = RouterService([engine], PROFILE, policy="least_loaded", stats_interval_s=0.02)
+    svc = RouterService(
+        [engine], PROFILE, RouterConfig(policy="least_loaded", stats_interval_s=0.02)
+    )
     await svc.start()
     try:
         engine.loads += [(1, 1000, 0.5), (2, 3000, 0.25)]

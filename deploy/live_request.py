@@ -1,0 +1,150 @@
+"""A request between dispatch and finish, and the token stream the gateway reads.
+
+A stream that loses its engine mid-answer continues on another one from the tokens
+already sent (`RouterService._failover`): the client sees one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from wasma.deploy.service_types import ServiceError, ServiceRequest, Unavailable
+from wasma.engines.base import TokenChunk
+from wasma.scheduler.policy import RequestInfo
+
+if TYPE_CHECKING:
+    from wasma.deploy.router_service import RouterService
+
+
+class EngineFault(Exception):
+    """An engine failed a request by its own fault (died, hung, errored): the request may
+    move to another engine. Never raised for the client's own mistakes."""
+
+    def __init__(self, slot: int, cause: BaseException | str) -> None:
+        super().__init__(str(cause))
+        self.slot = slot
+        self.cause = cause
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """A request between dispatch and finish."""
+
+    req: ServiceRequest
+    slot: int
+    wkey: str
+    node_id: str
+    start_s: float
+    info: RequestInfo | None = None
+    first_s: float | None = None
+    cached: int = 0
+    n_out: int = 0
+    failed: bool = False
+    cancelled: bool = False  # the caller left before the engine finished
+    # Output ids sent so far: a request cut mid-stream continues elsewhere from them.
+    out_ids: list[int] = field(default_factory=list)
+    failovers: int = 0
+    last_s: float = 0.0  # when the request last got a chunk (or was placed)
+    # The running wait for this request's next chunk; rescheduled to "now" to pull the
+    # request off an engine the health check found dead or hung.
+    waiting: asyncio.Timeout | None = None
+    # Its engine's load when it was placed, excluding itself (prefill tokens queued
+    # ahead, requests, KV tokens): what cost calibration compares the timings against.
+    load_at_dispatch: tuple[int, int, int] = (0, 0, 0)
+    busy_neighbours: int = 0  # other engines busy on its engine's host, at dispatch
+
+
+class RouterStream:
+    """A placed request's token stream; `aclose()` (always called) settles the books."""
+
+    def __init__(
+        self,
+        service: RouterService,
+        live: LiveRequest,
+        engine: str,
+        kind: str,
+        gen: AsyncIterator[TokenChunk],
+        first: TokenChunk,
+    ) -> None:
+        self.engine = engine
+        self.kind = kind
+        self.request_id = live.req.request_id
+        self._service = service
+        self._live = live
+        self._gen: AsyncIterator[TokenChunk] = gen
+        self._first: TokenChunk | None = first
+        self._done = first.finished
+        self._closed = False
+        self.resumed = 0  # times the stream moved to another engine mid-request
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine served from its prefix cache (as it reported them)."""
+        return self._live.cached
+
+    def __aiter__(self) -> RouterStream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._first is not None:
+            chunk, self._first = self._first, None
+            return chunk
+        if self._done:
+            raise StopAsyncIteration
+        service, live = self._service, self._live
+        while True:
+            try:
+                chunk = await service.next_chunk(live, self._gen)
+                break
+            except EngineFault as fault:
+                if live.failed:
+                    raise Unavailable(str(fault), None, 1.0) from None
+                # Continue on another engine from the tokens already sent: the client
+                # sees one stream, whatever happened behind it.
+                await aclose_quietly(self._gen)
+                try:
+                    self._gen, chunk = await service.failover(live, fault)
+                except ServiceError:
+                    live.failed = True
+                    raise
+                self.engine = service.engines[live.slot].name
+                self.resumed += 1
+                break
+        service.on_chunk(live, chunk)
+        if chunk.finished:
+            self._done = True
+        return chunk
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._done:
+            self._live.cancelled = True
+        try:
+            await aclose_quietly(self._gen)  # aborts the engine's work if the client left early
+        finally:
+            self._service.finish(self._live)
+
+
+async def empty_stream() -> AsyncIterator[TokenChunk]:
+    return
+    yield  # an async generator with nothing in it
+
+
+def expire(live: LiveRequest) -> None:
+    """End `live`'s wait for its engine now (it moves to another engine)."""
+    waiting = live.waiting
+    if waiting is not None and not waiting.expired():
+        waiting.reschedule(asyncio.get_running_loop().time())
+
+
+async def aclose_quietly(gen: AsyncIterator[TokenChunk]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
