@@ -98,7 +98,7 @@ class RouterStream:
         service, live = self._service, self._live
         while True:
             try:
-                chunk = await service.next_chunk(live, self._gen)
+                chunk = await service.runner.next_chunk(live, self._gen)
                 break
             except EngineFault as fault:
                 if live.failed:
@@ -107,7 +107,7 @@ class RouterStream:
                 # sees one stream, whatever happened behind it.
                 await aclose_quietly(self._gen)
                 try:
-                    self._gen, chunk = await service.failover(live, fault)
+                    self._gen, chunk = await service.runner.failover(live, fault)
                 except ServiceError:
                     live.failed = True
                     raise

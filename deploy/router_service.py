@@ -18,44 +18,36 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from wasma.core.events import KVEvent
 from wasma.core.profile import Profile
-from wasma.core.tokens import hash_token_blocks
+from wasma.deploy.admission import Admission
+from wasma.deploy.cost_feed import CostFeed
 from wasma.deploy.engine_health import EngineHealth
+from wasma.deploy.engine_runner import EngineRunner
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.live_request import (
     EngineFault,
     LiveRequest,
     RouterStream,
-    aclose_quietly,
-    empty_stream,
 )
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.service_types import (
-    BadRequest,
-    Overloaded,
-    ServiceError,
     ServiceRequest,
     ServiceResult,
-    Unavailable,
 )
-from wasma.deploy.workflow_api import WorkflowAPI, scoped
-from wasma.engines.base import EngineClient, GenerateRequest, TokenChunk
-from wasma.scheduler.calibration import CalibrationConfig, CostCalibrator, RequestTiming
+from wasma.deploy.workflow_api import WorkflowAPI
+from wasma.engines.base import EngineClient, TokenChunk
+from wasma.scheduler.calibration import CalibrationConfig, CostCalibrator
 from wasma.scheduler.dispatch import (
-    ANONYMOUS_PREFIX,
     Closed,
-    Dispatch,
     Dispatcher,
     DispatcherConfig,
-    HeldQueue,
 )
-from wasma.scheduler.policy import NoHealthyEngine, RequestInfo
 from wasma.scheduler.pricing import TransferPricer
 from wasma.scheduler.registry import PolicyRegistry
 
@@ -118,25 +110,28 @@ class RouterService:
         )
         self.ctx = self.dispatch.ctx
         self.router = self.dispatch.router
-        self._fitted_profile = profile
-        self.calibrator: CostCalibrator | None = None
-        self.recalibrations = 0
-        self.set_calibration(cfg.calibration)
+        self.costs = CostFeed(self.dispatch, profile, all(map(_simulated, self.engines)))
+        self.costs.set_calibration(cfg.calibration)
         self._live: dict[str, LiveRequest] = {}
         self.health_check = EngineHealth(
             self.engines, self.dispatch, self.metrics, cfg, self._live, self.now
         )
-        self.failovers = 0
+        self.admission = Admission(
+            self.dispatch,
+            self.metrics,
+            cfg,
+            self._live,
+            self.costs,
+            self.now,
+            self.max_model_len,
+        )
+        self.runner = EngineRunner(
+            self.engines, self.dispatch, self.health_check, self.metrics, cfg, self.now
+        )
         # Registered DAGs and their finished nodes, replayed by a restarted router.
         self.journal = journal
         self._journal_replayed = False
         self.workflows_api = WorkflowAPI(self.dispatch, journal, self.now, self._count_closed)
-        # Requests the policy holds at the router (deadline-aware admission): the future
-        # that wakes each, most urgent first.
-        self._held: HeldQueue[asyncio.Future[None]] = HeldQueue()
-        self._held_n = 0
-        self._held_ids: set[str] = set()
-        self.held_total = 0  # requests that waited at the router before going live
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -149,6 +144,14 @@ class RouterService:
     @property
     def engine_faults(self) -> int:
         return self.health_check.engine_faults
+
+    @property
+    def held_total(self) -> int:
+        return self.admission.held_total
+
+    @property
+    def failovers(self) -> int:
+        return self.runner.failovers
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -185,149 +188,17 @@ class RouterService:
         else:
             self.dispatch.on_kv_event(event)
 
-    # -- admission and placement -----------------------------------------------------
-    def _prepare(self, req: ServiceRequest) -> RequestInfo:
-        """Check `req` and enter it in its workflow; what the policy places."""
-        held = len(self._live) + self._held_n
-        if held >= self.config.max_outstanding:
-            self.metrics.observe_admission_rejected()
-            raise Overloaded(
-                f"the router holds {held} requests, its limit; retry shortly",
-                None,
-                1.0,
-            )
-        if req.request_id in self._live or req.request_id in self._held_ids:
-            raise BadRequest(f"request id {req.request_id!r} is already in flight", "x-request-id")
-        if not req.prompt_token_ids:
-            raise BadRequest("the prompt is empty", "prompt")
-        total = len(req.prompt_token_ids) + req.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise BadRequest(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {total} ({len(req.prompt_token_ids)} prompt + "
-                f"{req.max_tokens} output)",
-                "prompt",
-            )
-        now = self.now()
-        ident = req.identity
-        if ident.workflow_id is None:
-            wkey, node_id = f"{ANONYMOUS_PREFIX}{req.request_id}", "0"
-        else:
-            wkey = scoped(ident.workflow_id, req.tenant)
-            node_id = ident.node_id or req.request_id
-        wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
-        return Dispatcher.request_info(
-            req.request_id,
-            wkey,
-            node_id,
-            wst,
-            len(req.prompt_token_ids),
-            req.max_tokens,
-            hash_token_blocks(req.prompt_token_ids, self.block_size),
-            now,
-            ident.parents,
-        )
-
-    def _place(
-        self, req: ServiceRequest, info: RequestInfo, force: bool = False
-    ) -> tuple[LiveRequest | None, Dispatch]:
-        """Ask the dispatcher; the request goes live on its engine, or (no live request)
-        the policy holds it at the router for now (deadline-aware admission)."""
-        now = self.now()
-        try:
-            decision = self.dispatch.place(info, now, force)
-        except NoHealthyEngine:
-            raise Unavailable("no healthy engine can take the request", None, 2.0) from None
-        if decision.held:
-            return None, decision
-        placement = decision.placement
-        self.metrics.observe_decision(
-            self.policy_name, placement.kind.value, self.router.decision_us[-1] * 1e-6
-        )
-        live = LiveRequest(req, placement.engine, info.workflow_id, info.node_id, now, info)
-        if self.calibrator is not None:
-            loads = self.ctx.state.loads
-            load = loads[placement.engine]
-            bs = self.block_size
-            own_prefill = max(info.prompt_tokens - placement.hit_blocks * bs, 0)
-            own_blocks = -(-(info.prompt_tokens + info.max_tokens) // bs)
-            live.load_at_dispatch = (
-                max(load.pending_prefill_tokens - own_prefill, 0),
-                max(load.outstanding - 1, 0),
-                max(load.active_blocks - own_blocks, 0) * bs,
-            )
-            live.busy_neighbours = sum(
-                1
-                for j in self.ctx.state.host_neighbours()[placement.engine]
-                if loads[j].outstanding > 0
-            )
-        self._live[req.request_id] = live
-        return live, decision
-
-    async def _admit(self, req: ServiceRequest) -> tuple[LiveRequest, Dispatch]:
-        """Place `req`, waiting at the router while the policy holds it.
-
-        A held request is offered again, most urgent (lowest priority value) first,
-        whenever a request finishes and at least every `held_recheck_s`; one admitted
-        offers the next in line. Held work is accepted work: it is dispatched at the
-        latest when no engine has anything left to run (nothing would free capacity), or
-        once it has waited `max_hold_s`."""
-        info = self._prepare(req)
-        try:
-            live, decision = self._place(req, info)
-        except BaseException:
-            self.dispatch.release(info.workflow_id, self.now())
-            raise
-        if live is not None:
-            return live, decision
-        loop = asyncio.get_running_loop()
-        held_since = self.now()
-        self._held_n += 1
-        self._held_ids.add(req.request_id)
-        self.metrics.set_queue_depth(self._held_n)
-        try:
-            while live is None:
-                turn = loop.create_future()
-                self._held.push(decision.placement, turn)
-                try:
-                    async with asyncio.timeout(self.config.held_recheck_s):
-                        await turn
-                except TimeoutError:
-                    pass
-                finally:
-                    turn.cancel()  # a no-op when it came; dropped lazily from the queue
-                overdue = self.now() - held_since >= self.config.max_hold_s
-                live, decision = self._place(req, info, force=self.dispatch.idle or overdue)
-            self.held_total += 1
-            self._offer_held()
-            return live, decision
-        except BaseException:
-            # The caller left (or no engine is healthy) while the request waited.
-            self.dispatch.release(info.workflow_id, self.now())
-            raise
-        finally:
-            self._held_n -= 1
-            self._held_ids.discard(req.request_id)
-            self.metrics.set_queue_depth(self._held_n)
-
-    def _offer_held(self) -> None:
-        """Capacity freed: wake the most urgent held request to be placed again."""
-        while (turn := self._held.pop()) is not None:
-            if not turn.done():
-                turn.set_result(None)
-                return
-
     # -- running a request -----------------------------------------------------------
     async def open(self, req: ServiceRequest) -> RouterStream:
         """Place `req` and start it; returns once its first chunk is in hand, so a bad
         request or a dead engine is an error status, not a broken stream. An engine that
         fails before the first chunk hands the request to another engine."""
-        live, decision = await self._admit(req)
+        live, decision = await self.admission.admit(req)
         try:
             try:
-                gen, first = await self._start(live, decision)
+                gen, first = await self.runner.start(live, decision)
             except EngineFault as fault:
-                gen, first = await self.failover(live, fault)
+                gen, first = await self.runner.failover(live, fault)
         except BaseException:
             live.failed = True
             self.finish(live)
@@ -338,136 +209,6 @@ class RouterService:
         )
         stream.resumed = live.failovers
         return stream
-
-    async def _start(
-        self, live: LiveRequest, decision: Dispatch
-    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
-        """Submit `live` (from the tokens it already has) to its engine; its first chunk.
-
-        A transfer order becomes the engine's `kv_transfer` (its connector loads the prefix
-        from the holder's peer server, and recomputes it if that fails); `retain` becomes a
-        KV retention lease (`GenerateRequest.retain_s`)."""
-        placement = decision.placement
-        priority, transfer = placement.priority, placement.transfer
-        req = live.req
-        engine = self.engines[live.slot]
-        kv_transfer: dict[str, object] | None = None
-        if transfer is not None and transfer.src != live.slot and not live.out_ids:
-            peer = self.engines[transfer.src].kv_peer
-            if peer and engine.kv_peer:
-                kv_transfer = {"wasma_peer": peer}
-        if not priority and req.identity.priority is not None:
-            priority = req.identity.priority  # the client's hint when the policy has none
-        prompt = req.prompt_token_ids
-        if live.out_ids:
-            # A continuation: what the client already has becomes part of the prompt.
-            prompt = prompt + live.out_ids
-        greq = GenerateRequest(
-            request_id=req.request_id
-            if not live.failovers
-            else f"{req.request_id}~{live.failovers}",
-            prompt_token_ids=prompt,
-            max_tokens=req.max_tokens - len(live.out_ids),
-            priority=priority,
-            ignore_eos=req.ignore_eos,
-            temperature=req.temperature,
-            extra=req.extra,
-            kv_transfer=kv_transfer,
-            retain_s=placement.lease_s(self.config.retain_lease_s),
-            retain_use_s=placement.retain_use_s if placement.retain else None,
-            # The router's id: a failover's resubmission is released by it all the same.
-            retain_key=req.request_id,
-            # Retentions on this engine whose readers have all started ride along.
-            release=decision.release,
-        )
-        self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
-        try:
-            gen = engine.generate(greq)
-        except ValueError as exc:
-            raise BadRequest(str(exc), "prompt") from None
-        except Exception as exc:
-            raise EngineFault(live.slot, exc) from None
-        try:
-            first = await self.next_chunk(live, gen)
-        except BaseException:
-            await aclose_quietly(gen)
-            raise
-        return gen, first
-
-    async def next_chunk(self, live: LiveRequest, gen: AsyncIterator[TokenChunk]) -> TokenChunk:
-        """The engine's next chunk, or `EngineFault` if it errs, stalls past the request
-        timeout or is found dead meanwhile. A `ValueError` is the request's own fault."""
-        slot = live.slot
-        live.last_s = self.now()
-        try:
-            try:
-                # No timer per chunk: the poller's stall check (_check_stalls) and the
-                # health check end this wait when the engine stops making progress.
-                async with asyncio.timeout(None) as waiting:
-                    live.waiting = waiting
-                    return await gen.__anext__()
-            finally:
-                live.waiting = None  # before the handlers below, which may mark engines down
-        except TimeoutError:
-            raise EngineFault(slot, "stalled or found down") from None
-        except StopAsyncIteration:
-            self.health_check.engine_failed(slot, "ended the request without output")
-            raise EngineFault(slot, "ended the request without output") from None
-        except ValueError as exc:
-            raise BadRequest(str(exc), "prompt") from None
-        except (ServiceError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            self.health_check.engine_failed(slot, exc)
-            raise EngineFault(slot, exc) from None
-
-    async def failover(
-        self, live: LiveRequest, fault: EngineFault
-    ) -> tuple[AsyncIterator[TokenChunk], TokenChunk]:
-        """Move `live` off a failed engine: placed again (without the engines now down),
-        resubmitted with the prompt plus the tokens already sent, max_tokens reduced."""
-        rid = live.req.request_id
-        while True:
-            if live.failovers >= self.config.max_failovers:
-                raise Unavailable(
-                    f"request {rid} failed on {live.failovers + 1} engines; last: {fault}",
-                    None,
-                    1.0,
-                )
-            if len(live.out_ids) >= live.req.max_tokens:
-                # Every token was sent; only the engine's closing chunk was lost.
-                return empty_stream(), TokenChunk((), True, "length")
-            live.failovers += 1
-            self.failovers += 1
-            # Release the failed engine's charge, then place as if the request were new.
-            self.dispatch.on_first_token(rid)
-            self.ctx.state.on_finish(rid)
-            prompt = live.req.prompt_token_ids + live.out_ids
-            info = live.info
-            assert info is not None
-            info = replace(
-                info,
-                prompt_tokens=len(prompt),
-                max_tokens=live.req.max_tokens - len(live.out_ids),
-                block_hashes=hash_token_blocks(prompt, self.block_size),
-            )
-            try:
-                # Half-streamed already: it cannot wait at the router like new work.
-                decision = self.dispatch.place(info, self.now(), force=True)
-            except NoHealthyEngine:
-                raise Unavailable("no healthy engine can take the request", None, 2.0) from None
-            log.info(
-                "request %s moves from %s to %s after %d tokens",
-                rid,
-                self.engines[fault.slot].name,
-                self.engines[decision.placement.engine].name,
-                len(live.out_ids),
-            )
-            live.slot = decision.placement.engine
-            try:
-                return await self._start(live, decision)
-            except EngineFault as again:
-                fault = again
 
     async def complete(self, req: ServiceRequest) -> ServiceResult:
         """Run `req` to the end (the non-streaming path: one call, one answer)."""
@@ -507,7 +248,7 @@ class RouterService:
         rid = live.req.request_id
         if self._live.pop(rid, None) is None:
             return
-        self._offer_held()
+        self.admission.offer_held()
         now = self.now()
         if live.first_s is None:
             self.dispatch.on_first_token(rid)
@@ -533,7 +274,7 @@ class RouterService:
             self.cancelled += 1
         else:
             self.completed += 1
-            self._calibrate(live, now)
+            self.costs.observe(live, now)
         # A request without workflow metadata is a one-node workflow (DESIGN.md) with
         # no deadline; the request metrics above already describe it, so the workflow
         # series (goodput, attainment) stay about the workflows agents declared.
@@ -543,58 +284,19 @@ class RouterService:
             wst = done.workflow
             self.metrics.observe_workflow(wst.app, now - wst.arrival_s, now <= wst.deadline_s)
 
-    def _calibrate(self, live: LiveRequest, now: float) -> None:
-        """Feed a request served start to finish by one engine to the calibrator; swap
-        in a rescaled profile when the engines' speed moved."""
-        cal = self.calibrator
-        if cal is None or live.first_s is None or live.failovers:
-            return
-        queued, others, ctx_tokens = live.load_at_dispatch
-        prompt = len(live.req.prompt_token_ids)
-        timing = RequestTiming(
-            prompt_tokens=prompt,
-            cached_tokens=min(live.cached, prompt),
-            output_tokens=live.n_out,
-            ttft_s=live.first_s - live.start_s,
-            decode_s=now - live.first_s,
-            queued_prefill_tokens=queued,
-            batch=others + 1,
-            batch_context_tokens=ctx_tokens,
-            busy_neighbours=live.busy_neighbours,
-        )
-        if cal.observe(timing):
-            self.set_profile(cal.publish())
+    @property
+    def calibrator(self) -> CostCalibrator | None:
+        return self.costs.calibrator
+
+    @property
+    def recalibrations(self) -> int:
+        return self.costs.recalibrations
 
     def set_calibration(self, calibration: CalibrationConfig | bool | None) -> None:
-        """Cost calibration (scheduler/calibration.py): the profile was fitted in-process
-        on an idle engine; real engines behind HTTP on a busy host run slower, by factors
-        learned from finished requests. None: on unless every engine is simulated (they
-        follow the profile by construction, and their tests expect exact placements).
-        Turning it off puts the fitted profile back."""
-        if calibration is None:
-            calibration = not all(_simulated(e) for e in self.engines)
-        if calibration is True:
-            calibration = CalibrationConfig()
-        self.calibrator = (
-            CostCalibrator(self._fitted_profile, calibration)
-            if isinstance(calibration, CalibrationConfig)
-            else None
-        )
-        if self.ctx.profile != self._fitted_profile:
-            self.set_profile(self._fitted_profile)  # a new calibrator starts from it
+        self.costs.set_calibration(calibration)
 
     def set_profile(self, profile: Profile) -> None:
-        """Give the policy a new cost model (same block size and limits)."""
-        self.dispatch.set_profile(profile)
-        self.recalibrations += 1
-        if self.calibrator is not None:
-            c = self.calibrator.current()
-            log.info(
-                "cost model recalibrated: prefill x%.2f, step x%.2f, batching x%.2f",
-                c.prefill,
-                c.step,
-                c.seq,
-            )
+        self.costs.set_profile(profile)
 
     # -- workflows -------------------------------------------------------------------
     def _count_closed(self, closed: Closed) -> None:
@@ -633,8 +335,8 @@ class RouterService:
                 for load in loads
             ],
             "outstanding": len(self._live),
-            "held": self._held_n,
-            "held_total": self.held_total,
+            "held": self.admission.held_now,
+            "held_total": self.admission.held_total,
             "completed": self.completed,
             "failed": self.failed,
             "cancelled": self.cancelled,
@@ -655,7 +357,7 @@ class RouterService:
         for load in loads:
             self.metrics.set_engine(load.name, outstanding=load.outstanding)
             self.metrics.set_engine_up(load.name, load.healthy)
-        self.metrics.set_queue_depth(self._held_n)
+        self.metrics.set_queue_depth(self.admission.held_now)
         return self.metrics.render()
 
     def engine_names(self) -> list[str]:

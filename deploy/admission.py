@@ -1,0 +1,164 @@
+"""Admission at the live router: checks, workflow opening, placement, and the held queue.
+
+A request the policy holds (deadline-aware admission) waits here, offered again most
+urgent first whenever a request finishes and at least every `held_recheck_s`; held work
+is accepted work, dispatched at the latest when no engine has anything left to run or
+once it has waited `max_hold_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from wasma.core.tokens import hash_token_blocks
+from wasma.deploy.cost_feed import CostFeed
+from wasma.deploy.live_request import LiveRequest
+from wasma.deploy.metrics import WasmaMetrics
+from wasma.deploy.router_config import RouterConfig
+from wasma.deploy.service_types import BadRequest, Overloaded, ServiceRequest, Unavailable
+from wasma.deploy.workflow_api import scoped
+from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatch, Dispatcher, HeldQueue
+from wasma.scheduler.policy import NoHealthyEngine, RequestInfo
+
+
+class Admission:
+    def __init__(
+        self,
+        dispatch: Dispatcher,
+        metrics: WasmaMetrics,
+        config: RouterConfig,
+        live: dict[str, LiveRequest],
+        costs: CostFeed,
+        now: Callable[[], float],
+        max_model_len: int | None,
+    ) -> None:
+        self.dispatch = dispatch
+        self.metrics = metrics
+        self.config = config
+        self._live = live  # the service's requests in flight, by id; placed ones join it
+        self.costs = costs
+        self.now = now
+        self.max_model_len = max_model_len
+        self.block_size = dispatch.ctx.block_size
+        # Requests the policy holds at the router: the future that wakes each.
+        self._held: HeldQueue[asyncio.Future[None]] = HeldQueue()
+        self.held_now = 0
+        self._held_ids: set[str] = set()
+        self.held_total = 0  # requests that waited at the router before going live
+
+    def prepare(self, req: ServiceRequest) -> RequestInfo:
+        """Check `req` and enter it in its workflow; what the policy places."""
+        held = len(self._live) + self.held_now
+        if held >= self.config.max_outstanding:
+            self.metrics.observe_admission_rejected()
+            raise Overloaded(
+                f"the router holds {held} requests, its limit; retry shortly",
+                None,
+                1.0,
+            )
+        if req.request_id in self._live or req.request_id in self._held_ids:
+            raise BadRequest(f"request id {req.request_id!r} is already in flight", "x-request-id")
+        if not req.prompt_token_ids:
+            raise BadRequest("the prompt is empty", "prompt")
+        total = len(req.prompt_token_ids) + req.max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise BadRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {total} ({len(req.prompt_token_ids)} prompt + "
+                f"{req.max_tokens} output)",
+                "prompt",
+            )
+        now = self.now()
+        ident = req.identity
+        if ident.workflow_id is None:
+            wkey, node_id = f"{ANONYMOUS_PREFIX}{req.request_id}", "0"
+        else:
+            wkey = scoped(ident.workflow_id, req.tenant)
+            node_id = ident.node_id or req.request_id
+        wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
+        return Dispatcher.request_info(
+            req.request_id,
+            wkey,
+            node_id,
+            wst,
+            len(req.prompt_token_ids),
+            req.max_tokens,
+            hash_token_blocks(req.prompt_token_ids, self.block_size),
+            now,
+            ident.parents,
+        )
+
+    def place(
+        self, req: ServiceRequest, info: RequestInfo, force: bool = False
+    ) -> tuple[LiveRequest | None, Dispatch]:
+        """Ask the dispatcher; the request goes live on its engine, or (no live request)
+        the policy holds it at the router for now (deadline-aware admission)."""
+        now = self.now()
+        try:
+            decision = self.dispatch.place(info, now, force)
+        except NoHealthyEngine:
+            raise Unavailable("no healthy engine can take the request", None, 2.0) from None
+        if decision.held:
+            return None, decision
+        placement = decision.placement
+        self.metrics.observe_decision(
+            self.config.policy, placement.kind.value, self.dispatch.decision_us[-1] * 1e-6
+        )
+        live = LiveRequest(req, placement.engine, info.workflow_id, info.node_id, now, info)
+        self.costs.at_dispatch(live, placement)
+        self._live[req.request_id] = live
+        return live, decision
+
+    async def admit(self, req: ServiceRequest) -> tuple[LiveRequest, Dispatch]:
+        """Place `req`, waiting at the router while the policy holds it.
+
+        A held request is offered again, most urgent (lowest priority value) first,
+        whenever a request finishes and at least every `held_recheck_s`; one admitted
+        offers the next in line. Held work is accepted work: it is dispatched at the
+        latest when no engine has anything left to run (nothing would free capacity), or
+        once it has waited `max_hold_s`."""
+        info = self.prepare(req)
+        try:
+            live, decision = self.place(req, info)
+        except BaseException:
+            self.dispatch.release(info.workflow_id, self.now())
+            raise
+        if live is not None:
+            return live, decision
+        loop = asyncio.get_running_loop()
+        held_since = self.now()
+        self.held_now += 1
+        self._held_ids.add(req.request_id)
+        self.metrics.set_queue_depth(self.held_now)
+        try:
+            while live is None:
+                turn = loop.create_future()
+                self._held.push(decision.placement, turn)
+                try:
+                    async with asyncio.timeout(self.config.held_recheck_s):
+                        await turn
+                except TimeoutError:
+                    pass
+                finally:
+                    turn.cancel()  # a no-op when it came; dropped lazily from the queue
+                overdue = self.now() - held_since >= self.config.max_hold_s
+                live, decision = self.place(req, info, force=self.dispatch.idle or overdue)
+            self.held_total += 1
+            self.offer_held()
+            return live, decision
+        except BaseException:
+            # The caller left (or no engine is healthy) while the request waited.
+            self.dispatch.release(info.workflow_id, self.now())
+            raise
+        finally:
+            self.held_now -= 1
+            self._held_ids.discard(req.request_id)
+            self.metrics.set_queue_depth(self.held_now)
+
+    def offer_held(self) -> None:
+        """Capacity freed: wake the most urgent held request to be placed again."""
+        while (turn := self._held.pop()) is not None:
+            if not turn.done():
+                turn.set_result(None)
+                return
