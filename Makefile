@@ -13,7 +13,7 @@ OUT    := out
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0" -e ".[vllm,test]"
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[vllm,rayserve,test]"
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -13,6 +13,7 @@ from wasma.scheduler.policies.baselines import (
     RoundRobin,
     Session,
 )
+from wasma.scheduler.policies.ray_serve import RayPow2, RayPrefixAffinity
 from wasma.scheduler.policies.wasma import Wasma
 from wasma.scheduler.policy import Policy, PolicyContext
 
@@ -58,6 +59,15 @@ class PolicyRegistry:
 
 def default_registry() -> PolicyRegistry:
     reg = PolicyRegistry()
-    for cls in (RoundRobin, LeastLoaded, PrefixAware, KVAware, Session, Wasma):
+    for cls in (
+        RoundRobin,
+        LeastLoaded,
+        PrefixAware,
+        KVAware,
+        Session,
+        RayPow2,
+        RayPrefixAffinity,
+        Wasma,
+    ):
         reg.register(cls.name, cls)
     return reg
