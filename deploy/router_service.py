@@ -49,7 +49,7 @@ from wasma.scheduler.registry import PolicyRegistry, default_registry
 from wasma.scheduler.router import Router
 from wasma.scheduler.state import ClusterState
 from wasma.scheduler.tokens import hash_token_blocks
-from wasma.scheduler.workflow import Workflow, WorkflowError
+from wasma.scheduler.workflow import MAX_PROMPT_TOKENS, Workflow, WorkflowError
 from wasma.scheduler.workflows import WorkflowRegistry, WorkflowState
 
 log = logging.getLogger(__name__)
@@ -590,6 +590,10 @@ class RouterService:
             # A finished DAG (or idle-closed live workflow) seen again: a new run of it.
             registry.finished.pop(wkey, None)
             wst = None
+        # Checked before a new workflow is entered: a refused request leaves nothing.
+        probe = wst or WorkflowState(None, wkey, "", now, math.inf)
+        if (why := probe.parent_error(node_id, ident.parents)) is not None:
+            raise BadRequest(why, "x-wasma-parents")
         if wst is None:
             deadline = ident.deadline_s if ident.deadline_s is not None else math.inf
             wst = registry.ensure(wkey, ident.app or "default", now, deadline)
@@ -1049,7 +1053,9 @@ class RouterService:
         body = dict(data)
         body["arrival_s"] = 0.0
         try:
-            wf = Workflow.from_dict(body)
+            # A node whose prompt cannot fit the engines is refused now, by its count
+            # (memoised, so a doubling context chain costs its segments, not its tokens).
+            wf = Workflow.from_dict(body, max_prompt_tokens=self.max_model_len or MAX_PROMPT_TOKENS)
         except WorkflowError as exc:
             raise BadRequest(str(exc), "nodes") from None
         except (TypeError, ValueError) as exc:
