@@ -76,6 +76,8 @@ class Admission:
         else:
             wkey = scoped(ident.workflow_id, req.tenant)
             node_id = ident.node_id or req.request_id
+        if (why := self.dispatch.parent_error(wkey, node_id, ident.parents)) is not None:
+            raise BadRequest(why, "x-wasma-parents")
         wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
         return Dispatcher.request_info(
             req.request_id,

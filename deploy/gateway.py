@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wasma.deploy import json_limits
 from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.deploy.openai_api import (
     DONE_EVENT,
@@ -717,7 +718,9 @@ def create_app(
         g = gw(request)
         raw = await _read_body(request.scope, request.receive, g.cfg.max_workflow_bytes)
         try:
-            data = msgspec.json.decode(raw)
+            data = json_limits.decode(raw)
+        except json_limits.JsonTooDeep as exc:
+            raise ApiError(400, f"request body is not acceptable JSON: {exc}") from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):

@@ -20,11 +20,12 @@ Bad values are the client's mistake: `MetadataError` (a 400), never a crash.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from wasma.deploy import json_limits
 
 MAX_ID_LEN = 128
 MAX_PARENTS = 256
@@ -164,7 +165,7 @@ def _from_agentic_context(raw: Any) -> _Partial:
         if len(raw) > MAX_CONTEXT_BYTES:
             raise MetadataError(f"{param} is longer than {MAX_CONTEXT_BYTES} bytes", param)
         try:
-            ctx = json.loads(raw)
+            ctx = json_limits.loads(raw)
         except ValueError:
             raise MetadataError(f"{param} must be a JSON object (as a string)", param) from None
     else:
@@ -232,6 +233,8 @@ def workflow_identity(headers: Mapping[str, str], body: Mapping[str, Any]) -> Wo
             "a node id or parents need a workflow id (x-wasma-workflow-id)",
             "x-wasma-workflow-id",
         )
+    if merged.node_id is not None and merged.parents and merged.node_id in merged.parents:
+        raise MetadataError(f"node {merged.node_id!r} lists itself as a parent", "x-wasma-parents")
     return WorkflowIdentity(
         workflow_id=merged.workflow_id,
         node_id=merged.node_id,

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from wasma.deploy import json_limits
+
 JSON_ENCODER = msgspec.json.Encoder()
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -131,7 +133,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
     """Decode and type-check a request body; raises ApiError(400) naming the field."""
     try:
-        return msgspec.json.decode(body, type=cls)
+        req = json_limits.decode(body, cls)
+    except json_limits.JsonTooDeep as exc:
+        raise ApiError(400, f"request body is not acceptable JSON: {exc}") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         # msgspec says "... - at `$.max_tokens`": surface the path as OpenAI's `param`.
@@ -141,6 +145,17 @@ def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    # The fields typed `Any` take any JSON: bound their nesting as the body's.
+    for name in _ANY_FIELDS:
+        value = getattr(req, name, None)
+        if value is not None and json_limits.depth_exceeds(value, json_limits.MAX_JSON_DEPTH - 1):
+            raise ApiError(
+                400, f"{name} is nested deeper than {json_limits.MAX_JSON_DEPTH} levels", param=name
+            )
+    return req
+
+
+_ANY_FIELDS = ("metadata", "vllm_xargs", "prompt")
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:

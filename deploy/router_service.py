@@ -50,6 +50,7 @@ from wasma.scheduler.dispatch import (
 )
 from wasma.scheduler.pricing import TransferPricer
 from wasma.scheduler.registry import PolicyRegistry
+from wasma.scheduler.workflow import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,13 @@ class RouterService:
         # Registered DAGs and their finished nodes, replayed by a restarted router.
         self.journal = journal
         self._journal_replayed = False
-        self.workflows_api = WorkflowAPI(self.dispatch, journal, self.now, self._count_closed)
+        self.workflows_api = WorkflowAPI(
+            self.dispatch,
+            journal,
+            self.now,
+            self._count_closed,
+            self.max_model_len or MAX_PROMPT_TOKENS,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._tasks: list[asyncio.Task[None]] = []

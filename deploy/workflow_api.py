@@ -12,7 +12,7 @@ from typing import Any
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.service_types import BadRequest, Conflict, NotFound
 from wasma.scheduler.dispatch import Closed, Dispatcher
-from wasma.scheduler.workflow import Workflow, WorkflowError
+from wasma.scheduler.workflow import MAX_PROMPT_TOKENS, Workflow, WorkflowError
 from wasma.scheduler.workflows import WorkflowState
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,13 @@ class WorkflowAPI:
         journal: WorkflowJournal | None,
         now: Callable[[], float],
         on_closed: Callable[[Closed], None],
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     ) -> None:
         self.dispatch = dispatch
         self.journal = journal
         self.now = now
         self.on_closed = on_closed  # a live run closed by a DAG registered under its id
+        self.max_prompt_tokens = max_prompt_tokens  # the engines' context
 
     def register(self, data: Mapping[str, Any], tenant: str = "") -> dict[str, Any]:
         """Register a whole DAG ahead of its requests (trace format, minus `arrival_s`)."""
@@ -43,7 +45,9 @@ class WorkflowAPI:
         body = dict(data)
         body["arrival_s"] = 0.0
         try:
-            wf = Workflow.from_dict(body)
+            # A node whose prompt cannot fit the engines is refused now, by its count
+            # (memoised, so a doubling context chain costs its segments, not its tokens).
+            wf = Workflow.from_dict(body, max_prompt_tokens=self.max_prompt_tokens)
         except WorkflowError as exc:
             raise BadRequest(str(exc), "nodes") from None
         except (TypeError, ValueError) as exc:

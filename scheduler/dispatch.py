@@ -205,6 +205,16 @@ class Dispatcher:
             entry[1] = now
         return wst
 
+    def parent_error(self, key: str, node_id: str, parents: tuple[str, ...]) -> str | None:
+        """Why a request's declared parents cannot be (itself, a parent that never ran,
+        a cycle), checked before its workflow is entered so a refused request leaves
+        nothing behind; None when they can."""
+        wst = self.ctx.workflows.get(key)
+        if wst is None or wst.finished_s is not None:
+            # New (or a new run of a finished one): nothing has run in it yet.
+            wst = WorkflowState(None, key, "", 0.0, math.inf)
+        return wst.parent_error(node_id, parents)
+
     def busy(self, key: str) -> bool:
         """Whether `key` is a registered DAG, or a live workflow with requests open."""
         wst = self.ctx.workflows.active.get(key)

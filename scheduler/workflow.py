@@ -9,19 +9,23 @@ tell which requests will share which KV cache before any of them runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
 import networkx as nx
 
-from wasma.core.tokens import Piece, Span, span_tokens, stream_id
+from wasma.core.tokens import Piece, Span, stream_id
 
 # Bounds that catch generator bugs and hostile input, far above any real model.
 MAX_SEGMENT_TOKENS = 2_000_000
 MAX_OUTPUT_TOKENS = 1_000_000
 MAX_NODES = 10_000
 MAX_ID_LEN = 128
+# A node's whole prompt, its segments and the contexts they repeat summed: what bounds
+# the work of a `{"context": parent}` chain, whose prompts double at each level when a
+# node repeats its parent's context twice (26 levels of 2.7 KB would be 2^26 pieces).
+MAX_PROMPT_TOKENS = 16_000_000
 
 
 class WorkflowError(ValueError):
@@ -80,6 +84,9 @@ class Workflow:
     graph: nx.DiGraph
     _spans: dict[str, Span] = field(default_factory=dict, repr=False)
     _order: tuple[str, ...] = field(default=(), repr=False)
+    # Each node's prompt length, counted once in topological order at creation: a
+    # policy's lookahead reads it without building the prompt's pieces.
+    _prompt_tokens: dict[str, int] = field(default_factory=dict, repr=False)
     _readers: dict[str, tuple[str, ...]] | None = field(default=None, repr=False)
 
     @classmethod
@@ -90,11 +97,14 @@ class Workflow:
         arrival_s: float,
         deadline_s: float,
         nodes: Iterable[Node],
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     ) -> Workflow:
         where = f"workflow {workflow_id!r}"
         _check_id(workflow_id, "workflow_id", "workflow")
-        if not isinstance(app, str) or len(app) > MAX_ID_LEN:
-            raise WorkflowError(f"{where}: app must be a string of at most {MAX_ID_LEN} chars")
+        if not isinstance(app, str) or len(app) > MAX_ID_LEN or not app.isprintable():
+            raise WorkflowError(
+                f"{where}: app must be a printable string of at most {MAX_ID_LEN} chars"
+            )
         if not _finite_nonneg(arrival_s):
             raise WorkflowError(f"{where}: arrival_s must be a finite number >= 0")
         if not _finite_nonneg(deadline_s) or deadline_s <= 0:
@@ -136,28 +146,44 @@ class Workflow:
             cycle = nx.find_cycle(graph)
             path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
             raise WorkflowError(f"{where}: dependency cycle {path}")
-        order = tuple(nx.lexicographical_topological_sort(graph, key=list(table).index))
-        for node in table.values():
-            ancestors = nx.ancestors(graph, node.id)
+        position = {n: i for i, n in enumerate(table)}
+        order = tuple(nx.lexicographical_topological_sort(graph, key=position.__getitem__))
+        ancestors = _AncestorSets(table, order)
+        tokens: dict[str, int] = {}
+        for node_id in order:
+            node = table[node_id]
+            total = 0
             for i, seg in enumerate(node.prompt):
                 here = f"{where}, node {node.id!r}, prompt segment {i}"
                 if isinstance(seg, Shared):
                     if not isinstance(seg.key, str) or not seg.key:
                         raise WorkflowError(f"{here}: shared key must be a non-empty string")
                     _check_tokens(seg.tokens, here)
+                    total += seg.tokens
                 elif isinstance(seg, Unique):
                     _check_tokens(seg.tokens, here)
+                    total += seg.tokens
                 elif isinstance(seg, OutputOf | ContextOf):
                     if seg.node not in table:
                         raise WorkflowError(f"{here}: refers to unknown node {seg.node!r}")
-                    if seg.node not in ancestors:
+                    if seg.node not in node.parents and not ancestors.has(node_id, seg.node):
                         raise WorkflowError(
                             f"{here}: refers to {seg.node!r}, which is not an ancestor"
                         )
+                    total += table[seg.node].output_tokens
+                    if isinstance(seg, ContextOf):
+                        total += tokens[seg.node]  # an ancestor: counted already
                 else:
                     raise WorkflowError(f"{here}: unknown segment {seg!r}")
+                if total > max_prompt_tokens:
+                    raise WorkflowError(
+                        f"{where}, node {node.id!r}: prompt of over {max_prompt_tokens} tokens "
+                        "(its segments and the contexts they repeat)"
+                    )
+            tokens[node_id] = total
         wf = cls(workflow_id, app, float(arrival_s), float(deadline_s), table, graph)
         wf._order = order
+        wf._prompt_tokens = tokens
         return wf
 
     # -- structure -------------------------------------------------------------------
@@ -195,10 +221,30 @@ class Workflow:
         )
 
     def prompt_span(self, node_id: str) -> Span:
-        """The node's prompt as pieces of token streams."""
+        """The node's prompt as pieces of token streams. Built with an explicit stack
+        (a context chain is as deep as the workflow, past Python's recursion limit)."""
         have = self._spans.get(node_id)
         if have is not None:
             return have
+        stack = [node_id]
+        while stack:
+            n = stack[-1]
+            if n in self._spans:
+                stack.pop()
+                continue
+            todo = [
+                s.node
+                for s in self.nodes[n].prompt
+                if isinstance(s, ContextOf) and s.node not in self._spans
+            ]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            self._spans[n] = self._build_span(n)
+        return self._spans[node_id]
+
+    def _build_span(self, node_id: str) -> Span:
         pieces: list[Piece] = []
         for i, seg in enumerate(self.nodes[node_id].prompt):
             if isinstance(seg, Shared):
@@ -209,17 +255,17 @@ class Workflow:
             elif isinstance(seg, OutputOf):
                 pieces.append(self.output_piece(seg.node))
             else:
-                pieces.extend(self.context_span(seg.node))
-        span = tuple(p for p in pieces if p.length)
-        self._spans[node_id] = span
-        return span
+                pieces.extend(self._spans[seg.node])
+                pieces.append(self.output_piece(seg.node))
+        return tuple(p for p in pieces if p.length)
 
     def context_span(self, node_id: str) -> Span:
         """The node's prompt followed by its output."""
         return (*self.prompt_span(node_id), self.output_piece(node_id))
 
     def prompt_tokens(self, node_id: str) -> int:
-        return span_tokens(self.prompt_span(node_id))
+        """The prompt's length, without building its span (memoised at creation)."""
+        return self._prompt_tokens[node_id]
 
     def critical_path(self, node_cost: Mapping[str, float]) -> float:
         """Longest path through the DAG, weighting each node by `node_cost`."""
@@ -255,7 +301,7 @@ class Workflow:
         }
 
     @classmethod
-    def from_dict(cls, data: Any) -> Workflow:
+    def from_dict(cls, data: Any, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> Workflow:
         if not isinstance(data, dict):
             raise WorkflowError("a workflow must be a JSON object")
         wid = data.get("workflow_id")
@@ -276,7 +322,34 @@ class Workflow:
             arrival_s=data.get("arrival_s", 0.0),
             deadline_s=data.get("deadline_s", 3600.0),
             nodes=nodes,
+            max_prompt_tokens=max_prompt_tokens,
         )
+
+
+class _AncestorSets:
+    """Whether one node is an ancestor of another, as bit sets over topological
+    positions, built only when a prompt refers past its parents (most refer to a
+    parent, answered without them). One pass in topological order: a set is its
+    parents' sets and bits, so a 10,000-node chain costs N big-int ORs (~N^2/64 machine
+    words), where an ancestor search per node costs N^2 graph steps."""
+
+    def __init__(self, table: Mapping[str, Node], order: Sequence[str]) -> None:
+        self._table = table
+        self._order = order
+        self._sets: dict[str, int] | None = None
+        self._bit: dict[str, int] = {}
+
+    def has(self, node_id: str, ancestor: str) -> bool:
+        if self._sets is None:
+            self._bit = {n: 1 << i for i, n in enumerate(self._order)}
+            sets: dict[str, int] = {}
+            for n in self._order:
+                acc = 0
+                for p in self._table[n].parents:
+                    acc |= sets[p] | self._bit[p]
+                sets[n] = acc
+            self._sets = sets
+        return bool(self._sets[node_id] & self._bit[ancestor])
 
 
 def _segment_to_dict(seg: Segment) -> dict[str, Any]:
@@ -341,10 +414,17 @@ def _node_from_dict(raw: Any, where: str, index: int) -> Node:
 
 
 def _check_id(value: Any, what: str, where: str) -> None:
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
+    # Printable, as the request headers' ids must be: ids reach logs, metrics labels
+    # and the status API, where a newline or an escape sequence would forge lines.
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_ID_LEN
+        or not value.isprintable()
+    ):
         raise WorkflowError(
-            f"{where}: {what} must be a non-empty string of at most {MAX_ID_LEN} chars, "
-            f"got {value!r}"
+            f"{where}: {what} must be a non-empty printable string of at most {MAX_ID_LEN} "
+            f"chars, got {value!r}"
         )
 
 

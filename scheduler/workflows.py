@@ -58,6 +58,41 @@ class WorkflowState:
             node_id, lambda p: (st := nodes.get(p)) is not None and st.finished_s is not None
         )
 
+    def parent_error(self, node_id: str, parents: Sequence[str]) -> str | None:
+        """Why a request for `node_id` naming `parents` cannot join this workflow, or
+        None: the shapes `Workflow.create` rejects in a registered DAG (a node its own
+        parent, a parent that is no node, a cycle), here for requests that declare
+        their edges one at a time. A parent must be a node of the registered DAG or a
+        node already submitted; so a cycle can only close through a node seen before
+        (a repeated node id), and only then is the recorded ancestry walked."""
+        if not parents:
+            return None
+        if node_id in parents:
+            return f"node {node_id!r} lists itself as a parent"
+        wf = self.workflow
+        for p in parents:
+            if wf is not None and p in wf.nodes:
+                continue
+            ns = self.nodes.get(p)
+            if ns is None or ns.submitted_s is None:
+                return f"parent {p!r} of node {node_id!r} has not run in this workflow"
+        if node_id not in self.nodes and (wf is None or node_id not in wf.nodes):
+            return None
+        seen: set[str] = set()
+        stack = list(parents)
+        while stack:
+            n = stack.pop()
+            if n == node_id:
+                return f"parents {list(parents)} of node {node_id!r} make a dependency cycle"
+            if n in seen:
+                continue
+            seen.add(n)
+            if (ns := self.nodes.get(n)) is not None:
+                stack.extend(ns.parents)
+            if wf is not None and n in wf.nodes:
+                stack.extend(wf.nodes[n].parents)
+        return None
+
     @property
     def done(self) -> bool:
         wf = self.workflow

@@ -1,4 +1,4 @@
-"""WasmaMetrics (deploy/metrics.py) and the vLLM /metrics reader (deploy/vllm_metrics.py)."""
+"""WasmaMetrics (deploy/metrics.py) and the vLLM /metrics reader (engines/vllm_metrics.py)."""
 
 from __future__ import annotations
 

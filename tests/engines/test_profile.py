@@ -1,4 +1,4 @@
-"""Profiles: validation, built-ins and the step-time model (engines/sim/profile.py)."""
+"""Profiles: validation, built-ins and the step-time model (core/profile.py)."""
 
 from __future__ import annotations
 

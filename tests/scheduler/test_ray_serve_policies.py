@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from wasma.engines.sim.profile import load_profile
+from wasma.core.profile import load_profile
 from wasma.scheduler.policy import PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex
 from wasma.scheduler.registry import default_registry

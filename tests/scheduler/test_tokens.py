@@ -1,4 +1,4 @@
-"""Token spans, block-hash chains and materialisation (scheduler/tokens.py)."""
+"""Token spans, block-hash chains and materialisation (core/tokens.py)."""
 
 from __future__ import annotations
 

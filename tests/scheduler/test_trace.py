@@ -131,12 +131,15 @@ def test_a_key_given_twice_is_an_error_not_a_silent_override(tmp_path: Path) -> 
 def test_only_newlines_end_lines(tmp_path: Path) -> None:
     # U+2028 is legal inside a JSON string: it does not end a line (str.splitlines()
     # would split there), so the bad line below is line 2, not line 3.
-    first = json.dumps(wf_dict("w\u2028x"), ensure_ascii=False)
+    # (In a shared key: ids must be printable, and U+2028 is not.)
+    wf = wf_dict("w0")
+    wf["nodes"][0]["prompt"][0]["shared"] = "k\u2028x"
+    first = json.dumps(wf, ensure_ascii=False)
     p = write_lines(tmp_path / "t.jsonl", [first, "{not json"])
     with pytest.raises(TraceError, match=r"t\.jsonl:2: invalid JSON"):
         load_trace(p)
     p = write_lines(tmp_path / "ok.jsonl", [first])
-    assert load_trace(p)[0].workflow_id == "w\u2028x"
+    assert load_trace(p)[0].nodes["a"].prompt[0].key == "k\u2028x"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' + "9" * 5000 + "}"])
