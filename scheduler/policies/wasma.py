@@ -176,7 +176,8 @@ class Wasma(Policy):
     def _kv_over(self, s: int, new_blocks: int) -> bool:
         """Whether `new_blocks` more on engine `s` would take its projected KV need past
         `kv_headroom` of its pool: where vLLM would likely preempt."""
-        return self._kv_need(s) + new_blocks > self.p["kv_headroom"] * self._kv_cap(s)
+        headroom = float(self.p["kv_headroom"])
+        return self._kv_need(s) + new_blocks > headroom * self._kv_cap(s)
 
     def _busy_s(self, s: int) -> float:
         """How long engine `s` stays busy with the work already on it: its queued
@@ -245,10 +246,10 @@ class Wasma(Policy):
             slowdown *= max(1.0, self.ctx.estimates.ratio)
         left = req.deadline_s - now
         if left < remaining:  # cannot make it even alone: hopeless
-            return bool(p["hopeless"]) and slowdown > p["hopeless_slowdown"]
+            return bool(p["hopeless"]) and slowdown > float(p["hopeless_slowdown"])
         if not p["admission"] or req.parents:
             return False
-        return remaining * slowdown > p["admission_margin"] * left
+        return remaining * slowdown > float(p["admission_margin"]) * left
 
     def _contended(
         self, s: int, own: float, neighbours: list[int], busy_s: dict[int, float]
