@@ -195,7 +195,7 @@ class FlowNetwork:
         length: dict[Resource, float] = {key: 1.0 / c for key, c in self.capacity.items()}
         flows: dict[Tree, float] = {}
         usages: dict[Tree, Counter[Resource]] = {}
-        load: Counter[Resource] = Counter()
+        load: dict[Resource, float] = {}
         best: tuple[float, dict[Tree, float]] = (0.0, {})
         rounds = 0
         while rounds < max_rounds:
@@ -208,7 +208,7 @@ class FlowNetwork:
             flows[tree] = flows.get(tree, 0.0) + amount
             for key, n in used.items():
                 if key in self.capacity:
-                    load[key] += amount * n
+                    load[key] = load.get(key, 0.0) + amount * n
                     length[key] *= 1 + epsilon * amount * n / self.capacity[key]
             if rounds % check_every and rounds < max_rounds:
                 continue
