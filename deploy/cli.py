@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -361,6 +362,20 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a small output's write fails here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`wasma plan ... | head`): stop quietly, as Unix tools do.
+        # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a killed writer
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     from wasma.core.profile import ProfileError
     from wasma.scheduler.registry import UnknownPolicy
     from wasma.scheduler.trace import TraceError
@@ -391,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"wasma: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # a closed reader, handled quietly by main
     except OSError as exc:
         print(f"wasma: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from wasma.transfer.discovery import discover_local, parse_nvidia_smi_topo
 from wasma.transfer.executor import ExecutionResult, Executor, TransferFailed
 from wasma.transfer.kv_peer import PeerError, PeerServer, PeerStore
 from wasma.transfer.overlap import exposed_per_layer_s, exposed_s, layer_transfer_times_s
+from wasma.transfer.packing import FlowNetwork, Packing
 from wasma.transfer.plan import Hop, TransferPlan
 from wasma.transfer.planner import ALGORITHMS, Planner
 from wasma.transfer.presets import build_cpu_cluster, build_preset, load_topology
@@ -22,10 +23,12 @@ __all__ = [
     "Device",
     "ExecutionResult",
     "Executor",
+    "FlowNetwork",
     "Hop",
     "Link",
     "LinkModel",
     "LinkTable",
+    "Packing",
     "PeerError",
     "PeerServer",
     "PeerStore",

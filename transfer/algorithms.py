@@ -3,8 +3,9 @@
 
 Pipelined plans (every hop cut into the same number of pieces k, each hop forwarding its
 parent's range) have a closed form: a piece leaves hop h after the pieces before it, so the
-last piece reaches the end of a root-to-leaf route after sum(t_h) + (k - 1) * max(t_h),
-t_h = alpha_h + bytes_h / (k * beta_h). `best_chunks` minimises that over k at once.
+last piece reaches the end of a root-to-leaf route after sum(t_h + d_h) + (k - 1) * max(t_h),
+t_h = o_h + bytes_h / (k * beta_h) the time a piece holds hop h's path, d_h its delay to
+landing (latency). `best_chunks` minimises that over k at once.
 """
 
 from __future__ import annotations
@@ -78,18 +79,19 @@ def best_chunks(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> int:
         return 1
     costs = table.hop_costs(hops)
     ks = np.arange(1, max(1, max_chunks) + 1, dtype=float)
-    alpha = np.array([c.alpha_s for c in costs])[:, None]
+    occupy = np.array([c.occupy_s for c in costs])[:, None]
+    delay = np.array([c.delay_s for c in costs])[:, None]
     beta = np.array([c.bandwidth_Bps for c in costs])[:, None]
     nbytes = np.array([float(h.num_bytes) for h in hops])[:, None]
-    piece = alpha + nbytes / (ks[None, :] * beta)  # t_h(k)
+    piece = occupy + nbytes / (ks[None, :] * beta)  # time a piece holds hop h's path
     # Route sums/maxes accumulate down the tree; hops list parents first.
     route_sum = np.empty_like(piece)
     route_max = np.empty_like(piece)
     for i, hop in enumerate(hops):
         if hop.after is None:
-            route_sum[i], route_max[i] = piece[i], piece[i]
+            route_sum[i], route_max[i] = piece[i] + delay[i], piece[i]
         else:
-            route_sum[i] = route_sum[hop.after] + piece[i]
+            route_sum[i] = route_sum[hop.after] + piece[i] + delay[i]
             route_max[i] = np.maximum(route_max[hop.after], piece[i])
     total = (route_sum + (ks[None, :] - 1) * route_max).max(axis=0)
     return int(ks[int(np.argmin(total))])

@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="preset:hgx-h100[:NODES], preset:hgx-h200[:NODES], "
         "preset:pcie-8[:NODES], or a YAML file",
     )
-    parser.add_argument("--src", required=True, help="source device, e.g. n0.gpu0")
+    parser.add_argument(
+        "--src",
+        required=True,
+        help="source device, e.g. n0.gpu0; several (comma-separated) when each holds the bytes",
+    )
     parser.add_argument(
         "--dst", required=True, help="destination device(s), comma-separated, e.g. n0.gpu1,n1.gpu0"
     )
@@ -54,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json",
         action="store_true",
-        help='print {"algorithm", "predicted_s", "steps": [...]} as JSON',
+        help='print {"algorithm", "predicted_s", "bound_s", "ratio", "steps": [...]} as JSON',
     )
     return parser
 
@@ -73,8 +77,11 @@ def plan_main(argv: Sequence[str]) -> int:
         if not dsts:
             raise _UsageError("--dst names no device")
         algorithms = args.algorithms.split(",") if args.algorithms else None
+        holders = [s.strip() for s in args.src.split(",") if s.strip()]
+        if not holders:
+            raise _UsageError("--src names no device")
         planner = Planner(load_topology(args.topology))
-        plan = planner.plan(args.src, dsts, num_bytes, algorithms=algorithms)
+        plan = planner.plan_from(holders, dsts, num_bytes, algorithms=algorithms)
     except (_UsageError, TopologyError, ValueError) as exc:
         print(f"wasma plan: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

@@ -1,11 +1,16 @@
 """The alpha-beta link model and the plan evaluator every planner choice is priced with.
 
-A hop moving m bytes over a path costs alpha + m / beta_eff, where alpha is the path's
-summed latency plus a per-message software overhead (and a hop's first piece waits for
-its start-up, `per_hop_s`), and beta_eff is the narrowest link's
-bandwidth divided by the number of transfers on it at once (the plan's own concurrent hops
-plus transfers other plans reserved). Hops run as a chunk-level dataflow: a piece is sent
-once the previous piece on that hop is out and the piece has arrived at the sender.
+A piece of m bytes on a hop holds the hop's path for m / beta_eff plus its share of the
+per-message software cost, and lands a path latency (and the rest of that cost) later:
+propagation does not block the next piece. Up to `message_window` pieces of a hop are in
+flight at once (NCCL keeps 8 steps in flight per channel, GPU copy engines queue copies),
+so each piece holds the path for per_message_s / window of its fixed cost; with a window
+of 1 (the CPU executor: one process copies piece after piece) a piece pays all of it.
+beta_eff is the narrowest link's bandwidth divided by the number of transfers on it at
+once (the plan's own concurrent hops plus transfers other plans reserved), or the rate a
+fluid schedule assigned the hop (`Hop.rate_Bps`). A hop's first piece waits for its
+start-up, `per_hop_s`. Hops run as a chunk-level dataflow: a piece is sent once the
+previous piece on that hop is out and the piece has arrived at the sender.
 """
 
 from __future__ import annotations
@@ -24,10 +29,16 @@ DirectedLink = tuple[str, str]
 
 @dataclass(frozen=True)
 class HopCost:
-    alpha_s: float  # per piece: path latency + per-message overhead
+    occupy_s: float  # per piece, fixed time it holds the path besides its bytes
+    delay_s: float  # per piece, from leaving the path to landing (latency, the rest)
     bandwidth_Bps: float  # after sharing
     bottleneck: tuple[DirectedLink, ...]  # the links that set bandwidth_Bps
     bottleneck_nodes: tuple[str, ...] = ()  # devices whose shared throughput sets it
+
+    @property
+    def alpha_s(self) -> float:
+        """A lone piece's fixed cost: per-message overhead plus path latency."""
+        return self.occupy_s + self.delay_s
 
 
 class LinkTable:
@@ -35,12 +46,22 @@ class LinkTable:
     observations (`scale_bandwidth`), failures (`mark_down`) and concurrent load."""
 
     def __init__(
-        self, topology: Topology, per_message_s: float = 5e-6, per_hop_s: float = 0.0
+        self,
+        topology: Topology,
+        per_message_s: float = 5e-6,
+        per_hop_s: float = 0.0,
+        message_window: int = 16,
     ) -> None:
         if per_message_s < 0 or per_hop_s < 0:
             raise ValueError("per_message_s and per_hop_s must be >= 0")
+        if isinstance(message_window, bool) or not isinstance(message_window, int):
+            raise ValueError("message_window must be an integer >= 1")
+        if message_window < 1:
+            raise ValueError("message_window must be an integer >= 1")
         self.topology = topology
         self.per_message_s = per_message_s  # software cost of every piece sent
+        # Pieces of one hop in flight at once: their fixed costs overlap (see above).
+        self.message_window = message_window
         # Start-up of a hop (a stream, a thread) before its first piece can go; every hop
         # starts up at once when the transfer begins, so it overlaps waiting for data.
         self.per_hop_s = per_hop_s
@@ -80,6 +101,21 @@ class LinkTable:
 
     def latency(self, u: str, v: str) -> float:
         return self._latency[self._check(u, v)]
+
+    def capacity(self, u: str, v: str) -> float:
+        """What a new plan may use of u -> v: its bandwidth split with the transfers
+        reserved on it; 0 when it is down."""
+        link = self._check(u, v)
+        if link in self._down:
+            return 0.0
+        return self._bandwidth[link] / (1 + self._load.get(link, 0))
+
+    def directed_links(self) -> list[DirectedLink]:
+        return list(self._bandwidth)
+
+    def throughputs(self) -> dict[str, float]:
+        """Devices with a shared throughput limit, and the limit."""
+        return dict(self._throughput)
 
     def set_bandwidth(self, u: str, v: str, bandwidth_Bps: float) -> None:
         if not bandwidth_Bps > 0:
@@ -232,10 +268,19 @@ class LinkTable:
             for node in hop.path[1:-1]:
                 if node in self._throughput:
                     node_users.setdefault(node, []).append(index)
+        rated: dict[DirectedLink, float] = {}
+        rated_nodes: dict[str, float] = {}
+        for hop in hops:
+            if hop.rate_Bps is not None:
+                for link in hop.links():
+                    rated[link] = rated.get(link, 0.0) + hop.rate_Bps
+                for node in hop.path[1:-1]:
+                    rated_nodes[node] = rated_nodes.get(node, 0.0) + hop.rate_Bps
+        occupy = self.per_message_s / self.message_window
         costs = []
         for index, hop in enumerate(hops):
             mates = peers[index]
-            alpha = self.per_message_s
+            latency = 0.0
             width = float("inf")
             bottleneck: list[DirectedLink] = []
             for link in hop.links():
@@ -244,9 +289,14 @@ class LinkTable:
                         f"hop {hop.src} -> {hop.dst} uses link "
                         f"{link[0]} -> {link[1]}, which is down"
                     )
-                alpha += self._latency[link]
-                users = sum(1 for j in link_users[link] if j == index or j in mates)
-                share = self._bandwidth[link] / (users + self._load.get(link, 0))
+                latency += self._latency[link]
+                if hop.rate_Bps is not None:
+                    # A fluid schedule fixed the rate; the link's most loaded users set it.
+                    share = self._bandwidth[link] / (1 + self._load.get(link, 0))
+                    share *= hop.rate_Bps / rated[link]
+                else:
+                    users = sum(1 for j in link_users[link] if j == index or j in mates)
+                    share = self._bandwidth[link] / (users + self._load.get(link, 0))
                 if share < width * (1 - 1e-12):
                     width, bottleneck = share, [link]
                 elif share <= width * (1 + 1e-12):
@@ -256,13 +306,28 @@ class LinkTable:
                 capacity = self._throughput.get(node)
                 if capacity is None:
                     continue
-                users = sum(1 for j in node_users[node] if j == index or j in mates)
-                share = capacity / users
+                if hop.rate_Bps is not None:
+                    share = capacity * hop.rate_Bps / rated_nodes[node]
+                else:
+                    users = sum(1 for j in node_users[node] if j == index or j in mates)
+                    share = capacity / users
                 if share < width * (1 - 1e-12):
                     width, bottleneck, nodes = share, [], [node]
                 elif share <= width * (1 + 1e-12):
                     nodes.append(node)
-            costs.append(HopCost(alpha, width, tuple(bottleneck), tuple(nodes)))
+            if hop.rate_Bps is not None:
+                # The assigned rate, unless the links (after failures or reservations
+                # since the plan was made) can no longer carry it.
+                width = min(width, hop.rate_Bps)
+            costs.append(
+                HopCost(
+                    occupy,
+                    self.per_message_s - occupy + latency,
+                    width,
+                    tuple(bottleneck),
+                    tuple(nodes),
+                )
+            )
         return costs
 
     def timed_costs(self, hops: Sequence[Hop]) -> list[HopCost]:
@@ -272,6 +337,8 @@ class LinkTable:
         which hops really overlap (an unpipelined chain's hops run one after another and
         do not share a thing), and the costs are recomputed with only those."""
         first = self.hop_costs(hops)
+        if all(h.rate_Bps is not None for h in hops):
+            return first  # a fluid schedule's rates do not depend on who overlaps whom
         spans = self._simulate(hops, first, 1.0)
         overlapping = [
             {j for j, (b0, b1) in enumerate(spans) if b0 < a1 and a0 < b1} for a0, a1 in spans
@@ -324,11 +391,12 @@ class LinkTable:
                     ready = max(ready, parent_done[cursor])
                 begin = max(free, ready)
                 first = begin if first is None else first
-                free = begin + cost.alpha_s + (hi - lo) / beta
-                pieces.append(free)
+                free = begin + cost.occupy_s + (hi - lo) / beta
+                pieces.append(free + cost.delay_s)
             done.append(pieces)
-            spans.append((start if first is None else first, free))
-            stage_end[hop.stage] = max(stage_end.get(hop.stage, 0.0), free)
+            end = pieces[-1] if pieces else free
+            spans.append((start if first is None else first, end))
+            stage_end[hop.stage] = max(stage_end.get(hop.stage, 0.0), end)
         return spans
 
 

@@ -230,11 +230,12 @@ class CpuExecutor(Executor):
         pool = self._ensure_pool(devices, plan.bytes, needed)
         n = plan.bytes
         try:
-            # Fill outside the timed region: the source gets the payload, everyone else
+            # Fill outside the timed region: the holders get the payload, everyone else
             # its complement, so a byte a plan fails to deliver cannot match by accident.
-            pool.views[plan.src][:n] = data
             for device in devices:
-                if device != plan.src:
+                if device in plan.sources:
+                    pool.views[device][:n] = data
+                else:
                     np.invert(data, out=pool.views[device][:n])
             self._evict_caches()
             for sem in pool.sems[:needed]:

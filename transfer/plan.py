@@ -27,6 +27,9 @@ class Hop:
     chunks: int = 1
     after: int | None = None
     stage: int = 0
+    # The rate a fluid schedule gave this hop (bytes/s); None: it shares its links evenly
+    # with the plan's other hops that run at the same time.
+    rate_Bps: float | None = None
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         return chunk_bounds(self.offset_bytes, self.num_bytes, self.chunks)
@@ -53,10 +56,28 @@ class TransferPlan:
     hops: tuple[Hop, ...]
     chunks: int = 1  # pieces per hop, for pipelined algorithms
     notes: tuple[str, ...] = field(default=())
+    # Every device holding the bytes at the start (src first); empty: src alone.
+    holders: tuple[str, ...] = ()
+    # The lower bound no plan beats: bytes over the max-flow (min-cut) rate to the worst
+    # destination, plus the latency floor; None where it was not computed.
+    bound_s: float | None = None
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.holders or (self.src,)
+
+    @property
+    def ratio(self) -> float | None:
+        """predicted_s / bound_s (1.0 is optimal)."""
+        if self.bound_s is None:
+            return None
+        if self.bound_s <= 0:
+            return 1.0
+        return self.predicted_s / self.bound_s
 
     @property
     def devices(self) -> list[str]:
-        seen = dict.fromkeys([self.src, *self.dsts])
+        seen = dict.fromkeys([*self.sources, *self.dsts])
         for hop in self.hops:
             seen.setdefault(hop.src)
             seen.setdefault(hop.dst)
@@ -80,24 +101,35 @@ class TransferPlan:
                 line += f", forwarding hop {hop.after}"
             if hop.stage:
                 line += f", round {hop.stage}"
+            if hop.rate_Bps is not None:
+                line += f" at {hop.rate_Bps / 1e9:.1f} GB/s"
             lines.append(line)
         return lines
 
     def describe(self) -> str:
         rate = self.bytes / self.predicted_s / 1e9 if self.predicted_s > 0 else 0.0
         head = (
-            f"{self.algorithm}: {format_bytes(self.bytes)} from {self.src} to "
+            f"{self.algorithm}: {format_bytes(self.bytes)} from {', '.join(self.sources)} to "
             f"{', '.join(self.dsts)}; predicted {format_seconds(self.predicted_s)}"
             f" ({rate:.1f} GB/s per destination)"
         )
-        return "\n".join([head, *("  " + s for s in self.steps), *self.notes])
+        lines = [head]
+        if self.bound_s is not None:
+            lines.append(
+                f"bound {format_seconds(self.bound_s)} (max-flow rate plus latency floor); "
+                f"ratio {self.ratio:.3f}"
+            )
+        return "\n".join([*lines, *("  " + s for s in self.steps), *self.notes])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "algorithm": self.algorithm,
             "predicted_s": self.predicted_s,
+            "bound_s": self.bound_s,
+            "ratio": self.ratio,
             "steps": self.steps,
             "src": self.src,
+            "holders": list(self.sources),
             "dsts": list(self.dsts),
             "bytes": self.bytes,
             "chunks": self.chunks,
@@ -108,7 +140,7 @@ class TransferPlan:
 def check_plan(plan: TransferPlan) -> None:
     """Raise ValueError unless every hop sends bytes its sender holds and every destination
     ends up with the whole range. Executors call this before moving anything."""
-    held: dict[str, list[tuple[int, int]]] = {plan.src: [(0, plan.bytes)]}
+    held: dict[str, list[tuple[int, int]]] = {s: [(0, plan.bytes)] for s in plan.sources}
     stages = [h.stage for h in plan.hops]
     if stages != sorted(stages):
         raise ValueError("hops must be listed in round order")
@@ -124,7 +156,7 @@ def check_plan(plan: TransferPlan) -> None:
         ):
             raise ValueError(f"hop {index}: path must run from {hop.src} to {hop.dst}")
         if hop.after is None:
-            if hop.src != plan.src:
+            if hop.src not in plan.sources:
                 raise ValueError(f"hop {index}: {hop.src} sends without receiving first")
         else:
             if not 0 <= hop.after < index:

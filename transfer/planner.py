@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from wasma.transfer import algorithms as alg
 from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s
 from wasma.transfer.plan import Hop, TransferPlan
 from wasma.transfer.topology import Topology, TopologyError
 
@@ -20,20 +22,29 @@ ALGORITHMS = (
     "packed_trees",
     "hierarchical",
     "hierarchical_chain",
+    "flow_trees",
 )
 PIPELINED = frozenset(
-    {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain"}
+    {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain", "flow_trees"}
 )
+# Pieces summed over a plan's hops that pricing simulates at most: a packing of many
+# trees gets fewer pieces per hop, so planning it stays a few milliseconds.
+MAX_PIECES = 65536
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
 
 
 class Planner:
-    """Plans moves of `num_bytes` from one device to others on a `Topology`.
+    """Plans moves of `num_bytes` from one device (or several holding the same bytes) to
+    others on a `Topology`, and says how close each plan is to the max-flow bound.
 
-    `estimate_s` is the router's price: memoised per (source, destination set, size
-    octave) and interpolated inside the octave, so a repeat call is a dict lookup.
+    `flow_trees` packs broadcast trees to reach the bound on any topology; the shape
+    algorithms (chains, trees, stripes) are kept as candidates, as they win where a
+    transfer is small and latency, not bandwidth, decides. Plans are memoised per
+    (holders, destinations, size, algorithms) until a link changes; `estimate_s` is the
+    router's price: memoised per (source, destination set, size octave) and interpolated
+    inside the octave, so a repeat call is a dict lookup.
     """
 
     def __init__(
@@ -45,19 +56,27 @@ class Planner:
         max_chunks: int = 256,
         ewma_weight: float = 0.3,
         algorithms: Iterable[str] | None = None,
+        message_window: int = 16,
     ) -> None:
         if not 0 < ewma_weight <= 1:
             raise ValueError("ewma_weight must be in (0, 1]")
         if max_chunks < 1:
             raise ValueError("max_chunks must be >= 1")
         self.topology = topology
-        self.links = LinkTable(topology, per_message_s, per_hop_s)
+        self.links = LinkTable(topology, per_message_s, per_hop_s, message_window)
         self.max_chunks = max_chunks
         self.ewma_weight = ewma_weight
         self.algorithms = self._check_algorithms(algorithms or ALGORITHMS)
         self.plans_computed = 0  # how often a plan was built (memoisation shows here)
         self._memo: dict[tuple[str, frozenset[str], int], tuple[float, float, float]] = {}
         self._memo_version = self.links.version
+        # Per link-table version: the flow network, packings and bounds per (holders,
+        # destinations), and finished plans per request.
+        self._cache_version = -1
+        self._network: FlowNetwork | None = None
+        self._packings: dict[tuple[tuple[str, ...], frozenset[str]], Packing | None] = {}
+        self._bounds: dict[tuple[tuple[str, ...], frozenset[str]], tuple[float, float]] = {}
+        self._plans: dict[tuple[object, ...], TransferPlan] = {}
 
     # planning ----------------------------------------------------------------------------
     def plan(
@@ -68,9 +87,8 @@ class Planner:
         *,
         algorithms: Iterable[str] | None = None,
     ) -> TransferPlan:
-        """The fastest candidate plan under the current link model."""
-        candidates = self.candidates(src, dsts, num_bytes, algorithms=algorithms)
-        return min(candidates, key=lambda p: (p.predicted_s, len(p.hops)))
+        """The fastest candidate plan under the current link model, with its bound."""
+        return self.plan_from([src], dsts, num_bytes, algorithms=algorithms)
 
     def plan_from(
         self,
@@ -80,15 +98,117 @@ class Planner:
         *,
         algorithms: Iterable[str] | None = None,
     ) -> TransferPlan:
-        """Best plan from whichever holder of the bytes can deliver them soonest."""
-        if not holders:
+        """The fastest plan when every device in `holders` has the bytes: one holder
+        sending a shape (chain, tree, stripe), or trees fed from all of them at once."""
+        if isinstance(holders, str) or not holders:
             raise TopologyError("no holder given")
+        sources = tuple(dict.fromkeys(holders))
+        names = self._check_algorithms(algorithms) if algorithms is not None else self.algorithms
+        self._refresh()
+        key = (sources, tuple([dsts] if isinstance(dsts, str) else dsts), num_bytes, names)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
         targets = [dsts] if isinstance(dsts, str) else list(dsts)
-        plans = [
-            self.plan(h, [d for d in targets if d not in holders], num_bytes, algorithms=algorithms)
-            for h in dict.fromkeys(holders)
-        ]
-        return min(plans, key=lambda p: p.predicted_s)
+        targets = [d for d in targets if d not in sources]
+        plans = (
+            [
+                p
+                for h in sources
+                for p in self.candidates(
+                    h, targets, num_bytes, algorithms=[n for n in names if n != "flow_trees"]
+                )
+            ]
+            if any(n != "flow_trees" for n in names)
+            else []
+        )
+        if "flow_trees" in names:
+            self._check_request(sources[0], targets, num_bytes)
+            for h in sources:
+                self.topology.require(h, "gpu")
+            plans.extend(self._flow_plans(sources, tuple(dict.fromkeys(targets)), num_bytes))
+        if not plans:
+            raise TopologyError(
+                f"no algorithm among {', '.join(names)} applies to "
+                f"{', '.join(sources)} -> {', '.join(targets)}"
+            )
+        best = min(plans, key=lambda p: (p.predicted_s, len(p.hops)))
+        best = replace(best, holders=sources, bound_s=self.bound_s(sources, best.dsts, num_bytes))
+        self._plans[key] = best
+        return best
+
+    def bound_s(self, holders: Sequence[str], dsts: Sequence[str], num_bytes: int) -> float:
+        """No plan moves `num_bytes` from `holders` to every one of `dsts` sooner: the bytes
+        over the smallest max-flow rate to a destination, plus the latency floor."""
+        self._refresh()
+        sources = tuple(dict.fromkeys(holders))
+        targets = frozenset(d for d in dsts if d not in sources)
+        if not targets or num_bytes == 0:
+            return 0.0
+        key = (sources, targets)
+        entry = self._bounds.get(key)
+        if entry is None:
+            network = self._flow_network()
+            rate = min(network.max_flow_Bps(sources, d) for d in sorted(targets))
+            entry = self._bounds[key] = (rate, latency_floor_s(self.links, sources, list(targets)))
+        rate, floor = entry
+        if not rate > 0:
+            raise TopologyError(f"no working path from {', '.join(sources)} to every destination")
+        return num_bytes / rate + floor
+
+    def packing(self, holders: Sequence[str], dsts: Sequence[str]) -> Packing | None:
+        """The tree packing for this pattern (memoised until a link changes)."""
+        self._refresh()
+        key = (tuple(dict.fromkeys(holders)), frozenset(dsts))
+        if key not in self._packings:
+            self._packings[key] = self._flow_network().pack(key[0], sorted(key[1]))
+        return self._packings[key]
+
+    def _flow_network(self) -> FlowNetwork:
+        if self._network is None:
+            self._network = FlowNetwork(self.links)
+        return self._network
+
+    def _refresh(self) -> None:
+        if self._cache_version != self.links.version:
+            self._network = None
+            self._packings.clear()
+            self._bounds.clear()
+            self._plans.clear()
+            self._cache_version = self.links.version
+
+    def _flow_plans(
+        self, sources: tuple[str, ...], targets: tuple[str, ...], num_bytes: int
+    ) -> list[TransferPlan]:
+        if not targets or num_bytes == 0:
+            return [TransferPlan("noop", sources[0], targets, num_bytes, 0.0, ())]
+        packing = self.packing(sources, targets)
+        if packing is None or not packing.trees:
+            return []
+        self.plans_computed += 1
+        plans = []
+        # All trees (the bandwidth bound), and the widest tree alone (fewer messages,
+        # for sizes where the per-piece cost outweighs the extra rate).
+        for trees in {packing.trees, packing.trees[:1]}:
+            shape = Packing(trees, sum(r for _, r in trees), packing.bound_Bps, packing.rounds)
+            hops = shape.hops(num_bytes)
+            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+            chunks = alg.best_chunks(self.links, hops, cap)
+            hops = alg.with_chunks(hops, chunks)
+            holder = hops[0].src
+            plans.append(
+                TransferPlan(
+                    "flow_trees",
+                    holder if holder in sources else sources[0],
+                    targets,
+                    num_bytes,
+                    self.links.evaluate(hops),
+                    tuple(hops),
+                    chunks,
+                    holders=sources,
+                )
+            )
+        return plans
 
     def candidates(
         self,
@@ -106,6 +226,9 @@ class Planner:
             return [TransferPlan("noop", src, targets, num_bytes, 0.0, ())]
         plans = []
         for name in names:
+            if name == "flow_trees":
+                plans.extend(self._flow_plans((src,), targets, num_bytes))
+                continue
             for hops in self._build(name, src, targets, num_bytes):
                 chunks = 1
                 if name in PIPELINED:

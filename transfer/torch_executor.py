@@ -214,7 +214,7 @@ def _rank_main(
         )
         rank_of = {d: i for i, d in enumerate(devices)}
         buffer = torch.zeros(plan.bytes, dtype=torch.uint8, device=device)
-        if me == plan.src:
+        if me in plan.sources:
             buffer.copy_(torch.from_numpy(data))
         schedule = schedule_waves(plan.hops)
         mine: dict[int, list[tuple[str, PieceOp]]] = {}

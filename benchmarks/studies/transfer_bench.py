@@ -120,7 +120,8 @@ def calibrated_planner(cal: Calibration, cores: float) -> Planner:
     topology = build_cpu_cluster(
         1, 4, copy_Bps=cal.beta_Bps, cores=cores, memory_Bps=cal.memory_Bps
     )
-    return Planner(topology, per_message_s=cal.alpha_s, per_hop_s=cal.start_s)
+    # One process copies a hop piece after piece: each piece pays its whole fixed cost.
+    return Planner(topology, per_message_s=cal.alpha_s, per_hop_s=cal.start_s, message_window=1)
 
 
 def fan_out_plan(planner: Planner, n: int, size: int) -> TransferPlan:

@@ -170,3 +170,58 @@ def test_errors_are_one_line_exit_2(
 
 def test_exported_from_package() -> None:
     assert plan_main is cli_plan_main
+
+
+def test_closed_reader_ends_quietly() -> None:
+    """`wasma plan ... | head`: the reader closes early; no BrokenPipe traceback."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from wasma.deploy.cli import main; sys.exit(main(["
+        "'plan', '--topology', 'preset:hgx-h200:2', '--src', 'n0.gpu0', '--dst', "
+        "','.join(f'n1.gpu{g}' for g in range(8)), '--bytes', '1GiB']))"
+    )
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    os.close(write)
+    assert proc.stderr == ""
+    assert proc.returncode == 141
+
+
+def test_bound_and_ratio_in_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--topology", "preset:hgx-h200:2", "--src", "n0.gpu0", "--bytes", "1GiB"]
+    dsts = ",".join(f"n1.gpu{g}" for g in range(8))
+    code, out, err = run([*argv, "--dst", dsts, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"algorithm", "predicted_s", "bound_s", "ratio", "steps"} <= set(data)
+    assert data["ratio"] == pytest.approx(data["predicted_s"] / data["bound_s"])
+    assert 1.0 <= data["ratio"] <= 1.15
+    code, out, _ = run([*argv, "--dst", dsts], capsys)
+    assert code == 0 and "bound" in out and "ratio" in out
+    # Several holders: each may send.
+    code, out, _ = run(
+        [
+            "--topology",
+            "preset:hgx-h200:2",
+            "--src",
+            "n0.gpu0,n1.gpu0",
+            "--dst",
+            "n1.gpu1",
+            "--bytes",
+            "1GiB",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0 and set(json.loads(out)["holders"]) <= {"n0.gpu0", "n1.gpu0"}

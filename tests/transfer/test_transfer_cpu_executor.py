@@ -25,6 +25,8 @@ SIZE = 1_000_003  # odd, so piece boundaries are uneven
         ("hierarchical", "n1.gpu1", ["n1.gpu0", "n0.gpu0", "n0.gpu1"]),
         ("stripe", "n0.gpu0", ["n1.gpu1"]),
         ("rail_stripe", "n0.gpu0", ["n1.gpu1"]),  # relays through GPUs that are not targets
+        ("flow_trees", "n0.gpu0", ["n0.gpu1", "n1.gpu0", "n1.gpu1"]),  # packed trees, rates
+        ("flow_trees", "n0.gpu0", ["n1.gpu1"]),
     ],
 )
 def test_plans_deliver_exact_bytes(algorithm: str, src: str, dsts: list[str], topos: Any) -> None:
@@ -46,7 +48,7 @@ def _plan(planner: Planner, algorithm: str, src: str, dsts: list[str]) -> Transf
         hops = (Hop(src, dsts[0], path, 0, half, 3), Hop(src, dsts[0], path, half, SIZE - half, 2))
         return TransferPlan("stripe", src, tuple(dsts), SIZE, planner.predict_s(hops), hops)
     plan = planner.plan(src, dsts, SIZE, algorithms=[algorithm])
-    if algorithm in {"chain", "packed_trees", "hierarchical", "rail_stripe"}:
+    if algorithm in {"chain", "packed_trees", "hierarchical", "rail_stripe", "flow_trees"}:
         # At 1 MB the model wants few pieces; force several to exercise forwarding.
         plan = replace(plan, hops=tuple(with_chunks(plan.hops, 5)), chunks=5)
     return plan
@@ -163,3 +165,23 @@ def test_round_barriers_and_many_hops_reuse_the_signal_bank(topos: Any) -> None:
             result = executor.run(plan, timeout_s=60)
             assert result.verified, algorithm
             assert all(t > 0 for t in result.hop_finish_s)
+
+
+def test_trees_fed_from_several_holders_deliver_exact_bytes(topos: Any) -> None:
+    topo = topos.two_by_two()
+    planner = Planner(topo, max_chunks=8)
+    dsts = ["n0.gpu1", "n1.gpu1"]
+    plan = planner.plan_from(["n0.gpu0", "n1.gpu0"], dsts, SIZE, algorithms=["flow_trees"])
+    assert plan.algorithm == "flow_trees" and set(plan.sources) == {"n0.gpu0", "n1.gpu0"}
+    # Both holders send: the slow NICs carry nothing, each host is fed from inside.
+    assert {h.src for h in plan.hops if h.after is None} == {"n0.gpu0", "n1.gpu0"}
+    plan = replace(plan, hops=tuple(with_chunks(plan.hops, 5)), chunks=5)
+    with CpuExecutor(topo) as executor:
+        assert executor.run(plan, timeout_s=60).verified
+        # A holder that is left out of the fill would fail verification: the executor
+        # fills every holder, so breaking one hop's range must show.
+        broken = replace(
+            plan,
+            hops=(replace(plan.hops[0], num_bytes=plan.hops[0].num_bytes // 2), *plan.hops[1:]),
+        )
+        assert not executor.run(broken, timeout_s=60).verified

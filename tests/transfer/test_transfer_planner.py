@@ -108,8 +108,15 @@ def test_choice_within_5pct_of_brute_force(
     assert chosen.predicted_s <= 1.05 * brute_force_best(planner, src, dsts, num_bytes)
 
 
-def chain_formula_s(n: int, num_bytes: int, alpha: float, beta: float, max_chunks: int) -> float:
-    return min((k + n - 1) * (alpha + num_bytes / (k * beta)) for k in range(1, max_chunks + 1))
+def chain_formula_s(
+    n: int, num_bytes: int, overhead: float, delay: float, beta: float, max_chunks: int
+) -> float:
+    # A piece holds a hop for overhead + piece / beta and lands `delay` later; the last
+    # of k pieces leaves the first hop after k of those, and each hop adds one more.
+    return min(
+        (k + n - 1) * (overhead + num_bytes / (k * beta)) + n * delay
+        for k in range(1, max_chunks + 1)
+    )
 
 
 def tree_formula_s(n: int, num_bytes: int, alpha: float, beta: float) -> float:
@@ -119,15 +126,20 @@ def tree_formula_s(n: int, num_bytes: int, alpha: float, beta: float) -> float:
 @pytest.mark.parametrize("gpus", [4, 8, 16])
 def test_tree_vs_chain_crossover_matches_alpha_beta(gpus: int, topos: Any) -> None:
     bandwidth, latency, overhead = 100e9, 1e-6, 5e-6
-    planner = Planner(topos.switch(gpus, bandwidth, latency), per_message_s=overhead)
-    alpha = overhead + 2 * latency  # GPU -> switch -> GPU
+    # One piece in flight per hop: each pays the whole per-message cost.
+    planner = Planner(
+        topos.switch(gpus, bandwidth, latency), per_message_s=overhead, message_window=1
+    )
+    delay = 2 * latency  # GPU -> switch -> GPU
+    alpha = overhead + delay
     n = gpus - 1
     dsts = [f"n0.gpu{i}" for i in range(1, gpus)]
 
+    def chain_s(size: float) -> float:
+        return chain_formula_s(n, int(size), overhead, delay, bandwidth, planner.max_chunks)
+
     def gap(size: float) -> float:  # > 0 where the chain is faster
-        return tree_formula_s(n, int(size), alpha, bandwidth) - chain_formula_s(
-            n, int(size), alpha, bandwidth, planner.max_chunks
-        )
+        return tree_formula_s(n, int(size), alpha, bandwidth) - chain_s(size)
 
     low, high = 1.0, float(1 << 34)
     assert gap(low) < 0 < gap(high)
@@ -144,18 +156,18 @@ def test_tree_vs_chain_crossover_matches_alpha_beta(gpus: int, topos: Any) -> No
         formula = (
             tree_formula_s(n, plan.bytes, alpha, bandwidth)
             if plan is below
-            else chain_formula_s(n, plan.bytes, alpha, bandwidth, planner.max_chunks)
+            else chain_s(plan.bytes)
         )
         assert plan.predicted_s == pytest.approx(formula, rel=1e-6)
 
 
 def test_chain_chunk_count_is_the_closed_form_optimum(topos: Any) -> None:
-    planner = Planner(topos.switch(5), per_message_s=5e-6)
+    planner = Planner(topos.switch(5), per_message_s=5e-6, message_window=1)
     plan = planner.plan(
         "n0.gpu0", ["n0.gpu1", "n0.gpu2", "n0.gpu3", "n0.gpu4"], 1 << 28, algorithms=["chain"]
     )
-    alpha, beta, n, size = 7e-6, 100e9, 4, 1 << 28
-    expected_k = math.sqrt((n - 1) * size / (alpha * beta))  # d/dk (k+n-1)(a + B/kb) = 0
+    overhead, beta, n, size = 5e-6, 100e9, 4, 1 << 28
+    expected_k = math.sqrt((n - 1) * size / (overhead * beta))  # d/dk (k+n-1)(o + B/kb) = 0
     assert abs(plan.chunks - expected_k) <= 1
     assert best_chunks(planner.links, plan.hops, 256) == plan.chunks
 

@@ -1,0 +1,130 @@
+"""The planner against its bound and against NCCL-style ring and tree, on the presets.
+
+    python -m wasma.benchmarks.plan_table [--sizes 1GiB,64MiB,4KiB] [--json FILE]
+
+For each preset at 1, 2 and 4 nodes and each destination set (1 GPU; the source node's 7
+others; the next node's 8; the first 16 GPUs' 15 others; all 31 others), the plan's
+predicted time over the max-flow bound, over the best of a pipelined ring (chain) and a
+tree (binomial; direct for one destination) priced by the same model, and the planning
+time per plan: cold (a fresh planner: max flows, tree packing, pricing) and cached (the
+same pattern again, as the router sees it). Source is n0.gpu0 throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from wasma.transfer import Planner, build_preset
+from wasma.transfer.units import format_bytes, parse_size
+
+PRESETS = ("hgx-h100", "hgx-h200", "pcie-8")
+NODES = (1, 2, 4)
+SRC = "n0.gpu0"
+
+
+def destination_sets(nodes: int) -> list[tuple[str, list[str]]]:
+    gpus = [f"n{h}.gpu{g}" for h in range(nodes) for g in range(8)]
+    sets = [
+        ("1 (n0.gpu1)" if nodes == 1 else "1 (n1.gpu0)", ["n0.gpu1" if nodes == 1 else "n1.gpu0"])
+    ]
+    sets.append(("7 (n0 rest)", gpus[1:8]))
+    if nodes >= 2:
+        sets.append(("8 (n1 all)", gpus[8:16]))
+        sets.append(("15 (n0+n1)", gpus[1:16]))
+    if nodes >= 4:
+        sets.append(("31 (all)", gpus[1:]))
+    return sets
+
+
+def baseline_s(planner: Planner, dsts: list[str], size: int) -> tuple[str, float]:
+    """Best of NCCL's shapes priced by the same model: ring (chain) and tree."""
+    names = ["direct"] if len(dsts) == 1 else ["chain", "binomial_tree"]
+    if len(dsts) == 2:
+        names = ["chain"]
+    plan = planner.plan(SRC, dsts, size, algorithms=names)
+    return plan.algorithm, plan.predicted_s
+
+
+def row(preset: str, nodes: int, label: str, dsts: list[str], size: int) -> dict[str, Any]:
+    topology = build_preset(preset, nodes)
+    start = time.perf_counter()
+    planner = Planner(topology)
+    plan = planner.plan(SRC, dsts, size)
+    cold_s = time.perf_counter() - start
+    repeats = 2000
+    start = time.perf_counter()
+    for _ in range(repeats):
+        planner.plan(SRC, dsts, size)
+    cached_s = (time.perf_counter() - start) / repeats
+    shape, shape_s = baseline_s(Planner(topology), dsts, size)
+    assert plan.bound_s is not None and plan.ratio is not None
+    return {
+        "preset": preset,
+        "nodes": nodes,
+        "dsts": label,
+        "bytes": size,
+        "algorithm": plan.algorithm,
+        "hops": len(plan.hops),
+        "predicted_s": plan.predicted_s,
+        "bound_s": plan.bound_s,
+        "ratio": plan.ratio,
+        "baseline": shape,
+        "baseline_s": shape_s,
+        "vs_baseline": plan.predicted_s / shape_s,
+        "cold_ms": cold_s * 1e3,
+        "cached_us": cached_s * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1GiB,64MiB,4KiB")
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    rows = []
+    print(
+        "| preset | nodes | destinations | size | plan | hops | predicted | bound | "
+        "predicted / bound | NCCL-style best | predicted / that | plan cold | plan cached |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for preset in args.presets.split(","):
+        for nodes in NODES:
+            for label, dsts in destination_sets(nodes):
+                for size in sizes:
+                    r = row(preset, nodes, label, dsts, size)
+                    rows.append(r)
+                    print(
+                        f"| {preset} | {nodes} | {label} | {format_bytes(size)} | {r['algorithm']} "
+                        f"| {r['hops']} | {_t(r['predicted_s'])} | {_t(r['bound_s'])} "
+                        f"| {r['ratio']:.3f} | {r['baseline']} {_t(r['baseline_s'])} "
+                        f"| {r['vs_baseline']:.3f} | {r['cold_ms']:.1f} ms "
+                        f"| {r['cached_us']:.1f} us |",
+                        flush=True,
+                    )
+    big = [r for r in rows if r["bytes"] >= 64 << 20]
+    worst = max(big, key=lambda r: r["ratio"], default=None)
+    if worst is not None:
+        over = [r for r in big if r["ratio"] > 1.15]
+        print(
+            f"\n>= 64 MiB: worst predicted / bound {worst['ratio']:.3f} "
+            f"({worst['preset']} x{worst['nodes']}, {worst['dsts']}, "
+            f"{format_bytes(worst['bytes'])}); {len(over)} of {len(big)} cases above 1.15"
+        )
+    print(f"cached planning: max {max(r['cached_us'] for r in rows):.1f} us per plan")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds * 1e3:.4f} ms" if seconds < 0.1 else f"{seconds:.3f} s"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,265 @@
+"""Broadcast at the bandwidth bound: the max-flow bound and a packing of trees that meets it.
+
+The bound (Edmonds): bytes held by a set of holders reach every destination no faster
+than the smallest, over destinations, of the max flow from the holders to it. Every GPU
+may store and forward (relay); switches, NICs and CPUs only route, so a tree is a set of
+GPU-to-GPU hops, each a path through non-GPU devices, and a hop's links and the shared
+throughput of the devices it passes (a PCIe switch, a CPU doing copies) are what it uses.
+
+The schedule: a fractional packing of such trees (Blink, ForestColl), found by
+multiplicative weights (Garg-Koenemann): each round grows the cheapest tree under the
+current resource lengths (Prim over GPUs, Dijkstra through the fabric, any GPU a relay),
+sends what its bottleneck allows, and lengthens what it used in proportion to the load.
+The rounds stop once the packing (scaled to fit every capacity) is within a few percent of
+the bound; a greedy pass then hands each tree the capacity left on its links. Each tree
+carries a share of the bytes in proportion to its rate, pipelined in pieces.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.plan import Hop
+
+Resource = tuple[str, str] | str  # a directed link, or a device with a throughput limit
+
+
+@dataclass(frozen=True)
+class TreeHop:
+    src: str
+    dst: str
+    path: tuple[str, ...]
+    parent: int | None  # the hop of the same tree that delivers to src; None: src holds it
+
+
+Tree = tuple[TreeHop, ...]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Trees with their rates; `rate_Bps` (their sum) is what every destination gets."""
+
+    trees: tuple[tuple[Tree, float], ...]
+    rate_Bps: float
+    bound_Bps: float  # the max-flow rate of the worst destination
+    rounds: int  # multiplicative-weight rounds it took
+
+    def hops(self, num_bytes: int) -> list[Hop]:
+        """The packing as plan hops: tree i carries a contiguous share of the bytes in
+        proportion to its rate (integer boundaries), each hop at its tree's rate."""
+        out: list[Hop] = []
+        total = sum(rate for _, rate in self.trees)
+        acc = 0.0
+        lo = 0
+        for index, (tree, rate) in enumerate(self.trees):
+            acc += rate
+            hi = num_bytes if index == len(self.trees) - 1 else int(num_bytes * acc / total)
+            if hi <= lo:
+                continue
+            base = len(out)
+            for hop in tree:
+                after = None if hop.parent is None else base + hop.parent
+                out.append(Hop(hop.src, hop.dst, hop.path, lo, hi - lo, 1, after, 0, rate))
+            lo = hi
+        return out
+
+
+class FlowNetwork:
+    """Directed capacities, latencies and device limits read from a `LinkTable` once."""
+
+    def __init__(self, table: LinkTable) -> None:
+        topology = table.topology
+        self.is_gpu = {d.name: d.kind == "gpu" for d in topology.devices()}
+        self.capacity: dict[Resource, float] = {}
+        self.adjacent: dict[str, list[str]] = {name: [] for name in self.is_gpu}
+        for u, v in table.directed_links():
+            c = table.capacity(u, v)
+            if c > 0:
+                self.capacity[u, v] = c
+                self.adjacent[u].append(v)
+        for node, limit in table.throughputs().items():
+            self.capacity[node] = limit
+        for neighbours in self.adjacent.values():
+            neighbours.sort()
+
+    # the bound ---------------------------------------------------------------------------
+    def max_flow_Bps(self, holders: Sequence[str], dst: str) -> float:
+        """Max flow from the holders (together) to `dst`; any GPU may relay."""
+        graph = nx.DiGraph()
+        for key, c in self.capacity.items():
+            if isinstance(key, str):  # a device's limit: split it into in -> out
+                graph.add_edge(("in", key), ("out", key), capacity=c)
+        for key, c in self.capacity.items():
+            if isinstance(key, tuple):
+                u, v = key
+                graph.add_edge(self._out(u), self._in(v), capacity=c)
+        for holder in holders:
+            graph.add_edge("*", self._out(holder))  # no capacity: unbounded
+        target = self._in(dst)
+        if target not in graph or "*" not in graph:
+            return 0.0
+        return float(nx.maximum_flow_value(graph, "*", target))
+
+    def _in(self, node: str) -> object:
+        return ("in", node) if node in self.capacity else node
+
+    def _out(self, node: str) -> object:
+        return ("out", node) if node in self.capacity else node
+
+    # trees -------------------------------------------------------------------------------
+    def grow_tree(
+        self, holders: Sequence[str], dsts: Iterable[str], length: dict[Resource, float]
+    ) -> Tree | None:
+        """The cheapest tree under `length` that Prim's rule finds: repeatedly join the
+        destination nearest the tree (Dijkstra from every GPU already in it, through the
+        fabric and any GPU, which then relays). None if some destination is unreachable."""
+        dist: dict[str, float] = {}
+        previous: dict[str, str] = {}
+        heap: list[tuple[float, str]] = []
+        in_tree: set[str] = set()
+        delivered_by: dict[str, int] = {}
+        hops: list[TreeHop] = []
+        left = set(dsts) - set(holders)
+
+        def join(node: str) -> None:
+            in_tree.add(node)
+            dist[node] = 0.0
+            heapq.heappush(heap, (0.0, node))
+
+        for holder in holders:
+            join(holder)
+        while left:
+            if not heap:
+                return None
+            d, node = heapq.heappop(heap)
+            if d > dist.get(node, math.inf):
+                continue
+            if node in left:
+                path = [node]
+                while path[-1] not in in_tree:
+                    path.append(previous[path[-1]])
+                path.reverse()
+                cuts = [i for i, n in enumerate(path) if self.is_gpu[n]]
+                for a, b in itertools.pairwise(cuts):
+                    src, dst = path[a], path[b]
+                    hops.append(TreeHop(src, dst, tuple(path[a : b + 1]), delivered_by.get(src)))
+                    delivered_by[dst] = len(hops) - 1
+                for i in cuts[1:]:
+                    left.discard(path[i])
+                    join(path[i])
+                continue
+            for nxt in self.adjacent[node]:
+                step = length[node, nxt]
+                if not self.is_gpu[nxt] and nxt in self.capacity:
+                    step += length[nxt]
+                nd = d + step
+                if nd < dist.get(nxt, math.inf) and nxt not in in_tree:
+                    dist[nxt] = nd
+                    previous[nxt] = node
+                    heapq.heappush(heap, (nd, nxt))
+        return tuple(hops)
+
+    @staticmethod
+    def usage(tree: Tree) -> Counter[Resource]:
+        used: Counter[Resource] = Counter()
+        for hop in tree:
+            used.update(itertools.pairwise(hop.path))
+            used.update(hop.path[1:-1])
+        return used
+
+    def pack(
+        self,
+        holders: Sequence[str],
+        dsts: Sequence[str],
+        *,
+        tolerance: float = 0.02,
+        max_rounds: int = 400,
+        epsilon: float = 1.0,
+        check_every: int = 4,
+    ) -> Packing | None:
+        """Trees and rates within `tolerance` of the bound where the rounds get there."""
+        targets = [d for d in dict.fromkeys(dsts) if d not in holders]
+        if not targets:
+            return Packing((), 0.0, math.inf, 0)
+        bound = min(self.max_flow_Bps(holders, d) for d in targets)
+        if not bound > 0:
+            return None
+        length: dict[Resource, float] = {key: 1.0 / c for key, c in self.capacity.items()}
+        flows: dict[Tree, float] = {}
+        usages: dict[Tree, Counter[Resource]] = {}
+        load: dict[Resource, float] = {}
+        best: tuple[float, dict[Tree, float]] = (0.0, {})
+        rounds = 0
+        while rounds < max_rounds:
+            rounds += 1
+            tree = self.grow_tree(holders, targets, length)
+            if tree is None:
+                return None
+            used = usages.setdefault(tree, self.usage(tree))
+            amount = min(self.capacity[key] / n for key, n in used.items() if key in self.capacity)
+            flows[tree] = flows.get(tree, 0.0) + amount
+            for key, n in used.items():
+                if key in self.capacity:
+                    load[key] = load.get(key, 0.0) + amount * n
+                    length[key] *= 1 + epsilon * amount * n / self.capacity[key]
+            if rounds % check_every and rounds < max_rounds:
+                continue
+            # The packing so far, scaled to fit, then topped up with what is left.
+            congestion = max(load[key] / self.capacity[key] for key in load)
+            filled = self._fill({t: f / congestion for t, f in flows.items()}, usages, bound)
+            rate = sum(filled.values())
+            if rate > best[0]:
+                best = (rate, filled)
+            if rate >= (1 - tolerance) * bound:
+                break
+        ordered = sorted(best[1].items(), key=lambda kv: -kv[1])
+        return Packing(tuple(ordered), best[0], bound, rounds)
+
+    def _fill(
+        self, flows: dict[Tree, float], usages: dict[Tree, Counter[Resource]], bound: float
+    ) -> dict[Tree, float]:
+        """Drop slivers (each tree costs messages), then give every tree, largest first,
+        what its links have left, so no capacity the trees could use stays idle."""
+        total = sum(flows.values())
+        kept = {t: f for t, f in flows.items() if f >= 0.02 * total}
+        left = dict(self.capacity)
+        for tree, f in kept.items():
+            for key, n in usages[tree].items():
+                if key in left:
+                    left[key] -= f * n
+        for _ in range(2):
+            for tree in sorted(kept, key=lambda t: -kept[t]):
+                room = min(
+                    (max(0.0, left[key]) / n for key, n in usages[tree].items() if key in left),
+                    default=0.0,
+                )
+                room = min(room, max(0.0, bound - sum(kept.values())))
+                if room <= 0:
+                    continue
+                kept[tree] += room
+                for key, n in usages[tree].items():
+                    if key in left:
+                        left[key] -= room * n
+        return kept
+
+
+def latency_floor_s(table: LinkTable, holders: Sequence[str], dsts: Sequence[str]) -> float:
+    """No byte lands before one message's fixed cost plus the least latency of any path
+    from a holder: the worst destination's, over every working path."""
+    graph = nx.DiGraph()
+    for u, v in table.directed_links():
+        if not table.is_down(u, v):
+            graph.add_edge(u, v, weight=table.latency(u, v))
+    for holder in holders:
+        graph.add_edge("*", holder, weight=0.0)
+    reach = nx.single_source_dijkstra_path_length(graph, "*")
+    worst = max((reach.get(d, math.inf) for d in dsts if d not in holders), default=0.0)
+    return worst + table.per_message_s
