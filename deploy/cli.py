@@ -118,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="scale every token count (e.g. 0.25 for the tiny model's 4k context)",
     )
     gen.add_argument("-o", "--output", required=True)
+    imp = tsub.add_parser("import", help="convert a Mooncake or Azure trace to wasma's format")
+    imp.add_argument("--format", required=True, choices=["mooncake", "azure"])
+    imp.add_argument("file")
+    imp.add_argument("--profile", default="llama3-8b-h100", help="for deadlines and max_model_len")
+    imp.add_argument("--slack", type=_positive_float, default=2.0, help="deadline factor")
+    imp.add_argument("-o", "--output", required=True)
+    exp = tsub.add_parser("export", help="write a wasma trace as a Mooncake trace")
+    exp.add_argument("--format", required=True, choices=["mooncake"])
+    exp.add_argument("file")
+    exp.add_argument("-o", "--output", required=True)
 
     b = sub.add_parser("bench", help="simulate traces under policies and loads")
     b.add_argument("--trace", action="append", required=True, help="repeatable")
@@ -269,6 +279,31 @@ def _cmd_trace_gen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace_import(args: argparse.Namespace) -> int:
+    from wasma.benchmarks.trace_io import read_requests, to_workflows
+    from wasma.engines.sim.profile import load_profile
+    from wasma.scheduler.trace import write_trace
+
+    profile = load_profile(args.profile)
+    wfs, dropped = to_workflows(read_requests(args.format, args.file), profile, args.slack)
+    if not wfs:
+        raise CLIError(f"every request exceeds the {profile.name} profile's max_model_len")
+    write_trace(args.output, wfs)
+    note = f"; dropped {dropped} over max_model_len {profile.max_model_len}" if dropped else ""
+    print(f"wrote {len(wfs)} workflows to {args.output}{note}")
+    return 0
+
+
+def _cmd_trace_export(args: argparse.Namespace) -> int:
+    from wasma.benchmarks.trace_io import to_mooncake, write_mooncake
+    from wasma.scheduler.trace import load_trace
+
+    records = to_mooncake(load_trace(args.file))
+    write_mooncake(args.output, records)
+    print(f"wrote {len(records)} requests to {args.output}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -398,7 +433,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         if args.command == "trace":
-            return _cmd_trace_gen(args)
+            trace_cmds = {"import": _cmd_trace_import, "export": _cmd_trace_export}
+            return trace_cmds.get(args.trace_command, _cmd_trace_gen)(args)
         return handlers[args.command](args)
     except (CLIError, TraceError, WorkflowError, ProfileError, UnknownPolicy) as exc:
         print(f"wasma: error: {exc}", file=sys.stderr)
