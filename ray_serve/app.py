@@ -1,0 +1,71 @@
+"""`build_openai_app`: Ray Serve LLM's builder, with wasma deciding where requests run.
+
+A Ray Serve LLM user switches by changing one import:
+
+    from wasma.ray_serve import build_openai_app   # was: from ray.serve.llm import ...
+    serve.run(build_openai_app({"llm_configs": [llm_config]}))
+
+Every model's `LLMServer` deployment gets `WorkflowRouter` (its own scheduling actor,
+reading the model's tokenizer, block size and the policy), and the ingress becomes
+`WasmaIngress`. Everything else is Ray's builder, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.llm._internal.serve.core.ingress.builder import LLMServingArgs
+from ray.llm._internal.serve.core.ingress.builder import (
+    build_openai_app as ray_build_openai_app,
+)
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from wasma.ray_serve.ingress import WasmaIngress
+from wasma.ray_serve.router import WorkflowRouter
+
+
+def state_name(model_id: str) -> str:
+    return f"WasmaScheduling::{model_id}"
+
+
+def build_openai_app(
+    llm_serving_args: Mapping[str, Any] | LLMServingArgs,
+    policy: str = "wasma",
+    profile: str = "tiny-cpu",
+    params: Mapping[str, Any] | None = None,
+) -> Application:
+    """Ray's `build_openai_app(llm_serving_args)`; `policy` (any name in wasma's
+    registry), `profile` and `params` choose how `WorkflowRouter` decides."""
+    args = (
+        llm_serving_args
+        if isinstance(llm_serving_args, LLMServingArgs)
+        else LLMServingArgs.model_validate(dict(llm_serving_args))
+    )
+    names: dict[str, str] = {}
+    configs: list[Any] = list(args.llm_configs)  # validated: LLMConfig objects
+    for cfg in configs:
+        block_size = cfg.engine_kwargs.get("block_size")
+        kwargs = {
+            "policy": policy,
+            "profile": profile,
+            "model": cfg.model_loading_config.model_source,
+            "params": dict(params or {}),
+            "block_size": block_size if isinstance(block_size, int) else None,
+            "state_name": state_name(cfg.model_id),
+        }
+        dep = dict(cfg.deployment_config or {})
+        dep["request_router_config"] = RequestRouterConfig(
+            request_router_class=WorkflowRouter,  # type: ignore[arg-type]  # a class or its path
+            request_router_kwargs=kwargs,
+        )
+        cfg.deployment_config = dep
+        names[cfg.model_id] = state_name(cfg.model_id)
+    ingress: Any = args.ingress_cls_config  # validated: an IngressClsConfig
+    ingress.ingress_cls = WasmaIngress
+    ingress.ingress_extra_kwargs = {
+        **(ingress.ingress_extra_kwargs or {}),
+        "wasma_state_names": names,
+    }
+    return ray_build_openai_app(args)  # type: ignore[arg-type]  # it validates its input

@@ -1,0 +1,142 @@
+"""`WorkflowRouter`: wasma's placement as a Ray Serve request router.
+
+Set it on an `LLMServer` deployment the way Ray's own routers are set:
+
+    llm_config = LLMConfig(..., deployment_config={"request_router_config": {
+        "request_router_class": "wasma.ray_serve.router:WorkflowRouter",
+        "request_router_kwargs": {"model": "/models/llama", "policy": "wasma"}}})
+
+(`wasma.ray_serve.build_openai_app` does it for every model). Serve builds one router
+per deployment handle, in each ingress replica; every one of them asks the same
+`SchedulingActor` (named per deployment, detached, cleaned up by `serve.shutdown`), so
+all ingresses decide on one view of workflows, prefixes and loads, as Ray's
+`PrefixCacheAffinityRouter` shares its prefix tree.
+
+The request is the ingress's call `(body, RawRequestInfo)`: the body is the OpenAI
+request (messages or prompt, `metadata`, `vllm_xargs`) and the raw request's headers
+carry `x-wasma-*`, the framework session headers and `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from wasma.ray_serve.scheduling import MetadataError, SchedulingState
+
+logger = logging.getLogger("ray.serve")
+
+# Ray runs the shared state as an actor with no CPU of its own (like Ray's prefix tree):
+# it must not take a core from the replicas' placement groups.
+SchedulingActor = ray.remote(num_cpus=0)(SchedulingState)
+
+
+def request_parts(pending: PendingRequest) -> tuple[dict[str, str], dict[str, Any]] | None:
+    """(headers, body fields) of an ingress call, or None for a call that is not one
+    (e.g. Serve's health checks, a handle called with other arguments)."""
+    if not pending.args:
+        return None
+    body = pending.args[0]
+    raw = pending.args[1] if len(pending.args) > 1 else pending.kwargs.get("raw_request_info")
+    headers = getattr(raw, "headers", None) or {}
+    fields: dict[str, Any] = {}
+    if isinstance(body, Mapping):
+        fields = dict(body)
+    else:
+        for key in ("messages", "prompt", "metadata", "vllm_xargs", "max_tokens"):
+            value = getattr(body, key, None)
+            if value is not None:
+                fields[key] = value
+        value = getattr(body, "max_completion_tokens", None)
+        if value is not None:
+            fields["max_completion_tokens"] = value
+        extra = getattr(body, "model_extra", None)
+        if extra:  # vLLM's request models keep unknown fields (e.g. `metadata`) here
+            for key in ("metadata", "vllm_xargs"):
+                if key in extra and key not in fields:
+                    fields[key] = extra[key]
+    if "messages" in fields:
+        fields["messages"] = [_plain(m) for m in fields["messages"]]
+    if not ("messages" in fields or "prompt" in fields):
+        return None
+    return {str(k).lower(): str(v) for k, v in dict(headers).items()}, fields
+
+
+def _plain(message: Any) -> Any:
+    if isinstance(message, Mapping):
+        return dict(message)
+    dump = getattr(message, "model_dump", None)
+    return dump() if callable(dump) else message
+
+
+class WorkflowRouter(RequestRouter):
+    """Places each request where wasma's policy says; Serve's pick when it cannot."""
+
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs
+        self,
+        policy: str = "wasma",
+        profile: str = "tiny-cpu",
+        model: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        state_name: str | None = None,
+        state_actor: ActorHandle | None = None,
+    ) -> None:
+        # The actor's handle (typed Any: its methods are Ray's remote wrappers).
+        self._state: Any = state_actor
+        if state_actor is not None:
+            return
+        dep = self._deployment_id
+        name = state_name or f"WasmaScheduling::{dep.app_name}::{dep.name}"
+        self._state = SchedulingActor.options(
+            name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached"
+        ).remote(policy, profile, model, dict(params or {}), block_size)
+        try:
+            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            controller._register_shutdown_cleanup_actor.remote(self._state)
+        except ValueError:  # no Serve controller (a router built outside Serve)
+            pass
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        parts = request_parts(pending_request)
+        if parts is None:
+            return [candidate_replicas]
+        headers, body = parts
+        meta = pending_request.metadata
+        request_id = headers.get("x-request-id") or meta.request_id
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        try:
+            chosen = await self._state.place.remote(
+                list(by_id), request_id, meta.internal_request_id, headers, body
+            )
+        except MetadataError as exc:  # the ingress rejects these first; never fatal here
+            logger.warning("wasma: %s", exc)
+            return [candidate_replicas]
+        replica = by_id.get(chosen) if chosen is not None else None
+        if replica is None:
+            return [candidate_replicas]
+        return [[replica]]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._state.completed.remote(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._state.replica_died.remote(replica_id.to_full_id_str())

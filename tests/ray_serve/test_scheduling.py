@@ -1,0 +1,142 @@
+"""The shared scheduling state behind `WorkflowRouter`, driven directly (no Ray): the
+decisions Serve gets back for workflows, unrelated requests, retries and dead replicas."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from wasma.deploy.metadata import MetadataError
+from wasma.ray_serve.router import request_parts
+from wasma.ray_serve.scheduling import SchedulingState, prompt_of
+
+REPLICAS = ["r0", "r1"]
+
+
+def body(text: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra}
+
+
+def doc(seed: str, words: int = 200) -> str:
+    return " ".join(f"{seed}{i}" for i in range(words))
+
+
+def wf(wid: str, node: str, parents: str = "") -> dict[str, str]:
+    h = {"x-wasma-workflow-id": wid, "x-wasma-node-id": node}
+    if parents:
+        h["x-wasma-parents"] = parents
+    return h
+
+
+def test_children_follow_their_parent() -> None:
+    st = SchedulingState()
+    for w in range(6):
+        base = doc(f"w{w}-")
+        parent = st.place(REPLICAS, f"p{w}", f"ip{w}", wf(f"w{w}", "plan"), body(base))
+        st.completed(f"ip{w}")
+        for k in range(3):
+            child = st.place(
+                REPLICAS,
+                f"c{w}.{k}",
+                f"ic{w}.{k}",
+                wf(f"w{w}", f"map{k}", "plan"),
+                body(base + doc(f"k{k}-", 20)),
+            )
+            assert child == parent
+            assert st.placement_of(f"c{w}.{k}") == (parent, "reuse")
+
+
+def test_unrelated_workflows_use_both_replicas() -> None:
+    st = SchedulingState()
+    chosen = {
+        st.place(REPLICAS, f"r{i}", f"i{i}", wf(f"w{i}", "a"), body(doc(f"u{i}-")))
+        for i in range(8)
+    }
+    assert chosen == set(REPLICAS)
+
+
+def test_a_repeated_ask_is_charged_once() -> None:
+    st = SchedulingState()
+    first = st.place(REPLICAS, "r", "i", {}, body(doc("x")))
+    again = st.place(REPLICAS, "r", "i", {}, body(doc("x")))
+    assert first == again
+    assert sum(st.loads().values()) == 1
+    st.completed("i")
+    assert sum(st.loads().values()) == 0
+
+
+def test_a_dead_replica_is_left_out() -> None:
+    st = SchedulingState()
+    base = doc("d")
+    first = st.place(REPLICAS, "p", "ip", wf("w", "plan"), body(base))
+    assert first is not None
+    st.replica_died(first)
+    alive = [r for r in REPLICAS if r != first]
+    child = st.place(alive, "c", "ic", wf("w", "c", "plan"), body(base + " more"))
+    assert child == alive[0]
+
+
+def test_a_retry_after_its_replica_went_away_moves() -> None:
+    st = SchedulingState()
+    first = st.place(REPLICAS, "r", "i", {}, body(doc("y")))
+    alive = [r for r in REPLICAS if r != first]
+    assert st.place(alive, "r", "i", {}, body(doc("y"))) == alive[0]
+    assert st.loads()[first] == 0
+    assert st.loads()[alive[0]] == 1
+
+
+def test_bad_metadata_is_an_error_naming_the_field() -> None:
+    st = SchedulingState()
+    with pytest.raises(MetadataError, match="workflow id"):
+        st.place(REPLICAS, "r", "i", {"x-wasma-node-id": "n"}, body("hi"))
+
+
+def test_agentic_context_names_the_workflow() -> None:
+    st = SchedulingState()
+    ctx = '{"program_id": "prog", "task_id": "t1"}'
+    base = doc("a")
+    first = st.place(REPLICAS, "a", "ia", {}, body(base, vllm_xargs={"agentic_context": ctx}))
+    ctx2 = '{"program_id": "prog", "task_id": "t2", "parent_task_id": "t1"}'
+    st.completed("ia")
+    second = st.place(
+        REPLICAS, "b", "ib", {}, body(base + " go", vllm_xargs={"agentic_context": ctx2})
+    )
+    assert second == first
+    assert st.ctx.workflows.get("prog") is not None
+
+
+def test_no_prompt_leaves_the_choice_to_serve() -> None:
+    st = SchedulingState()
+    assert st.place(REPLICAS, "r", "i", {}, {"input": "embed me"}) is None
+
+
+def test_prompt_forms() -> None:
+    assert prompt_of({"prompt": "abc"}) == "abc"
+    assert prompt_of({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_of(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    ) == [{"role": "user", "content": "hi"}]
+    assert prompt_of({}) is None
+
+
+def test_request_parts_reads_the_ingress_call() -> None:
+    class Body:
+        messages = [{"role": "user", "content": "hi"}]
+        prompt = None
+        metadata = None
+        vllm_xargs = None
+        max_tokens = 5
+        max_completion_tokens = None
+        model_extra = {"metadata": {"wasma_workflow_id": "w"}}
+
+    raw = SimpleNamespace(headers={"X-Wasma-Node-Id": "n", "x-request-id": "rq"})
+    pending = SimpleNamespace(args=[Body(), raw], kwargs={})
+    parts = request_parts(pending)  # type: ignore[arg-type]
+    assert parts is not None
+    headers, fields = parts
+    assert headers["x-wasma-node-id"] == "n"
+    assert fields["metadata"] == {"wasma_workflow_id": "w"}
+    assert fields["max_tokens"] == 5
+    assert request_parts(SimpleNamespace(args=[], kwargs={})) is None  # type: ignore[arg-type]
