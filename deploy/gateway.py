@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wasma.deploy import json_limits
 from wasma.deploy.lifecycle import Lifecycle, lifecycle_refusal
 from wasma.deploy.metadata import MetadataError, workflow_identity
+from wasma.deploy.metrics import handler_of
 from wasma.deploy.openai_api import (
     DONE_EVENT,
     ApiError,
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RouterFactory = Callable[[], Awaitable[RouterClient]]
+HttpKey = tuple[str, int]  # (handler, status): what the edge counts between scrapes
 # A tokenizer reporting this vocabulary does not know it (remote engines, token ids only).
 UNKNOWN_VOCAB = 1 << 31
 
@@ -124,7 +126,7 @@ class _Edge:
         self,
         app: ASGIApp,
         auth: _Auth,
-        codes: Counter[int],
+        codes: Counter[HttpKey],
         protect_metrics: bool,
         lifecycle: Lifecycle | None = None,
     ) -> None:
@@ -159,6 +161,7 @@ class _Edge:
         state = scope.setdefault("state", {})
         state["request_id"] = internal
         path: str = scope["path"]
+        handler = handler_of(path)
         needs_auth = not self.auth.open and (
             self.protect_metrics or not path.startswith(self.OPEN_PATHS)
         )
@@ -169,7 +172,7 @@ class _Edge:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.codes[message["status"]] += 1
+                self.codes[(handler, message["status"])] += 1
                 hdrs = list(message.get("headers", []))
                 names = {n for n, _ in hdrs}
                 hdrs.append((b"x-request-id", echo_b))
@@ -254,7 +257,11 @@ class Gateway:
     OFFLOAD_CHARS = 8192  # texts at least this long are tokenised off the event loop
 
     def __init__(
-        self, router: RouterClient, tokenizer: Tokenizer, config: GatewayConfig, codes: Counter[int]
+        self,
+        router: RouterClient,
+        tokenizer: Tokenizer,
+        config: GatewayConfig,
+        codes: Counter[HttpKey],
     ) -> None:
         self.router = router
         self.tok = tokenizer
@@ -665,7 +672,7 @@ def create_app(
     `lifecycle`, in the background and retried until it succeeds (deploy/lifecycle.py),
     the app answering 503 + Retry-After meanwhile."""
     cfg = config or GatewayConfig()
-    codes: Counter[int] = Counter()
+    codes: Counter[HttpKey] = Counter()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -383,6 +383,8 @@ class RouterService:
         self.cancelled = 0
         for engine in self.engines:
             engine.subscribe_kv_events(self._on_kv_event)
+            self.metrics.register_engine(engine.name, str(getattr(engine, "base_url", "") or ""))
+        self._preemptions_seen: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -472,6 +474,15 @@ class RouterService:
                     stats = replace(stats, kv_usage=kv)
                 state.on_stats(slot, stats)
                 self._observe_kv_loads(engine.name, stats.kv_loads)
+                seen = self._preemptions_seen.get(engine.name, 0)
+                # A restarted engine counts from 0 again: take its count as new.
+                fresh = (
+                    stats.num_preemptions - seen
+                    if stats.num_preemptions >= seen
+                    else stats.num_preemptions
+                )
+                self.metrics.observe_preemptions(engine.name, fresh)
+                self._preemptions_seen[engine.name] = stats.num_preemptions
             load = state.loads[slot]
             self.metrics.set_engine(
                 engine.name,
@@ -522,6 +533,7 @@ class RouterService:
     def _engine_failed(self, slot: int, exc: BaseException | str) -> None:
         """A request failed by the engine's fault: count it on the breaker."""
         self.engine_faults += 1
+        self.metrics.observe_engine_fault(self.engines[slot].name)
         if not self.ctx.state.loads[slot].healthy:
             # Already out: the other requests it held fail with it, one outage not many.
             log.info("engine %s failed a request while out: %r", self.engines[slot].name, exc)
@@ -597,6 +609,8 @@ class RouterService:
         if wst is None:
             deadline = ident.deadline_s if ident.deadline_s is not None else math.inf
             wst = registry.ensure(wkey, ident.app or "default", now, deadline)
+            if ident.workflow_id is not None:
+                self.metrics.observe_workflow_started(wst.app)
         if wst.workflow is None and ident.workflow_id is not None:
             entry = self._open_wf.setdefault(wkey, [0, now])
             entry[0] += 1
@@ -685,6 +699,7 @@ class RouterService:
                 overdue = self.now() - held_since >= self.max_hold_s
                 live, placement = self._place(req, info, force=idle or overdue)
             self.held_total += 1
+            self.metrics.observe_hold(self.now() - held_since)
             self._offer_held()
             return live, placement
         except BaseException:
@@ -825,6 +840,7 @@ class RouterService:
                 return _empty(), TokenChunk((), True, "length")
             live.failovers += 1
             self.failovers += 1
+            self.metrics.observe_failover()
             # Release the failed engine's charge, then place as if the request were new.
             self.router.on_first_token(rid)
             self.ctx.state.on_finish(rid)
@@ -914,7 +930,9 @@ class RouterService:
             now - live.start_s,
             prompt,
             min(live.cached, prompt),
+            live.n_out,
         )
+        self.metrics.observe_request_end(live.failed, live.cancelled)
         if live.failed:
             self.failed += 1
         elif live.cancelled:
@@ -1006,16 +1024,25 @@ class RouterService:
 
     async def _sweep_workflows(self) -> None:
         while True:
-            await asyncio.sleep(min(self.idle_workflow_s / 4, 5.0))
+            await asyncio.sleep(min(self.idle_workflow_s / 4, 1.0))
             self.sweep_idle_workflows()
 
     def sweep_idle_workflows(self) -> int:
-        """Close live workflows idle for `idle_workflow_s`: agents do not say when a run
-        ends, and an unbounded registry would grow forever. Returns how many closed."""
+        """Close live workflows idle for `idle_workflow_s`, or idle past their deadline:
+        agents do not say when a run ends, and an unbounded registry would grow forever.
+        A workflow with nothing in flight once its deadline passed has its outcome
+        settled (met if its last request ended in time, which a later one could only
+        turn into a miss), so it is counted then rather than `idle_workflow_s` later; a
+        request for it after that starts a new run. Returns how many closed."""
         now = self.now()
         closed = 0
+        active = self.ctx.workflows.active
         for wkey, (outstanding, last) in list(self._open_wf.items()):
-            if outstanding > 0 or now - last < self.idle_workflow_s:
+            if outstanding > 0:
+                continue
+            wst = active.get(wkey)
+            past_deadline = wst is not None and now > wst.deadline_s
+            if now - last < self.idle_workflow_s and not past_deadline:
                 continue
             self._close_live(wkey)
             closed += 1
@@ -1073,6 +1100,7 @@ class RouterService:
         now = self.now()
         # Keyed by the tenant-scoped id: one API key cannot see or extend another's run.
         registry.active[key] = WorkflowState(wf, key, wf.app, now, now + wf.deadline_s)
+        self.metrics.observe_workflow_started(wf.app)
         self._open_wf.pop(key, None)
         if self.journal is not None:
             self.journal.register(key, body, wf.deadline_s)
@@ -1152,12 +1180,13 @@ class RouterService:
             else {**self.calibrator.snapshot(), "recalibrations": self.recalibrations},
         }
 
-    def render_metrics(self, http_codes: Mapping[int, int] | None = None) -> tuple[bytes, str]:
-        """The /metrics page; `http_codes` are the gateway's status counts since the
-        last scrape (the gateway counts locally so requests never wait on metrics)."""
-        for code, count in (http_codes or {}).items():
-            for _ in range(count):
-                self.metrics.observe_http(code)
+    def render_metrics(self, http_codes: Mapping[Any, int] | None = None) -> tuple[bytes, str]:
+        """The /metrics page; `http_codes` are the gateway's counts since the last scrape,
+        by (handler, status) or by status alone (the gateway counts locally so requests
+        never wait on metrics)."""
+        for key, count in (http_codes or {}).items():
+            handler, code = key if isinstance(key, tuple) else ("other", key)
+            self.metrics.observe_http(int(code), str(handler), count)
         loads = self.ctx.state.loads
         for load in loads:
             self.metrics.set_engine(load.name, outstanding=load.outstanding)
