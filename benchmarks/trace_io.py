@@ -30,8 +30,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from wasma.engines.sim.profile import Profile
-from wasma.scheduler.tokens import BlockHasher, Piece, Span
+from wasma.core.profile import Profile
+from wasma.core.tokens import BlockHasher, Piece, Span
 from wasma.scheduler.trace import TraceError
 from wasma.scheduler.workflow import Node, Shared, Unique, Workflow
 

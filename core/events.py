@@ -49,3 +49,4 @@ class EngineStats:
     # (sequence number, bytes, seconds): a reader keeps the last number it saw and takes
     # only newer ones, so polls that overlap or go missing neither count twice nor skip.
     kv_loads: tuple[tuple[int, int, float], ...] = ()
+    num_preemptions: int = 0  # requests preempted since the engine started (cumulative)

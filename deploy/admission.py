@@ -78,7 +78,10 @@ class Admission:
             node_id = ident.node_id or req.request_id
         if (why := self.dispatch.parent_error(wkey, node_id, ident.parents)) is not None:
             raise BadRequest(why, "x-wasma-parents")
+        seen = self.dispatch.ctx.workflows.get(wkey)
         wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
+        if ident.workflow_id is not None and (seen is None or seen.finished_s is not None):
+            self.metrics.observe_workflow_started(wst.app)
         return Dispatcher.request_info(
             req.request_id,
             wkey,
@@ -147,6 +150,7 @@ class Admission:
                 overdue = self.now() - held_since >= self.config.max_hold_s
                 live, decision = self.place(req, info, force=self.dispatch.idle or overdue)
             self.held_total += 1
+            self.metrics.observe_hold(self.now() - held_since)
             self.offer_held()
             return live, decision
         except BaseException:

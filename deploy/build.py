@@ -293,7 +293,7 @@ class RouterActor:
         await self._ready()
         return self._svc().health()
 
-    async def render_metrics(self, http_codes: dict[int, int]) -> tuple[bytes, str]:
+    async def render_metrics(self, http_codes: dict[Any, int]) -> tuple[bytes, str]:
         await self._ready()
         return self._svc().render_metrics(http_codes)
 

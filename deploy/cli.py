@@ -281,7 +281,7 @@ def _cmd_trace_gen(args: argparse.Namespace) -> int:
 
 def _cmd_trace_import(args: argparse.Namespace) -> int:
     from wasma.benchmarks.trace_io import read_requests, to_workflows
-    from wasma.engines.sim.profile import load_profile
+    from wasma.core.profile import load_profile
     from wasma.scheduler.trace import write_trace
 
     profile = load_profile(args.profile)

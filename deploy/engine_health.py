@@ -51,6 +51,7 @@ class EngineHealth:
         self.engine_faults = 0
         # The last KV load (EngineStats.kv_loads) counted into the metrics, per engine.
         self._kv_loads_seen: dict[str, int] = {}
+        self._preemptions_seen: dict[str, int] = {}
 
     async def refresh(self) -> None:
         """One health and stats check of every engine, all at once."""
@@ -80,6 +81,15 @@ class EngineHealth:
                     stats = replace(stats, kv_usage=kv)
                 self.dispatch.on_stats(slot, stats)
                 self._observe_kv_loads(engine.name, stats.kv_loads)
+                seen = self._preemptions_seen.get(engine.name, 0)
+                # A restarted engine counts from 0 again: take its count as new.
+                fresh = (
+                    stats.num_preemptions - seen
+                    if stats.num_preemptions >= seen
+                    else stats.num_preemptions
+                )
+                self.metrics.observe_preemptions(engine.name, fresh)
+                self._preemptions_seen[engine.name] = stats.num_preemptions
             load = state.loads[slot]
             self.metrics.set_engine(
                 engine.name,
@@ -131,6 +141,7 @@ class EngineHealth:
     def engine_failed(self, slot: int, exc: BaseException | str) -> None:
         """A request failed by the engine's fault: count it on the breaker."""
         self.engine_faults += 1
+        self.metrics.observe_engine_fault(self.engines[slot].name)
         if not self.dispatch.ctx.state.loads[slot].healthy:
             # Already out: the other requests it held fail with it, one outage not many.
             log.info("engine %s failed a request while out: %r", self.engines[slot].name, exc)

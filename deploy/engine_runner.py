@@ -144,6 +144,7 @@ class EngineRunner:
                 return empty_stream(), TokenChunk((), True, "length")
             live.failovers += 1
             self.failovers += 1
+            self.metrics.observe_failover()
             # Release the failed engine's charge, then place as if the request were new.
             self.dispatch.on_first_token(rid)
             self.dispatch.ctx.state.on_finish(rid)

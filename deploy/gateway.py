@@ -31,7 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wasma.deploy import json_limits
+from wasma.deploy.lifecycle import Lifecycle, lifecycle_refusal
 from wasma.deploy.metadata import MetadataError, workflow_identity
+from wasma.deploy.metrics import handler_of
 from wasma.deploy.openai_api import (
     DONE_EVENT,
     ApiError,
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RouterFactory = Callable[[], Awaitable[RouterClient]]
+HttpKey = tuple[str, int]  # (handler, status): what the edge counts between scrapes
 # A tokenizer reporting this vocabulary does not know it (remote engines, token ids only).
 UNKNOWN_VOCAB = 1 << 31
 
@@ -115,17 +118,23 @@ class _Edge:
     """Pure ASGI: request ids, auth, default wasma headers, status counts, last-resort
     500s in OpenAI's shape."""
 
-    OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+    OPEN_PATHS = ("/health", "/live", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
     # The generation endpoints, served straight from here (see Gateway).
     FAST = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
     def __init__(
-        self, app: ASGIApp, auth: _Auth, codes: Counter[int], protect_metrics: bool
+        self,
+        app: ASGIApp,
+        auth: _Auth,
+        codes: Counter[HttpKey],
+        protect_metrics: bool,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.app = app
         self.auth = auth
         self.codes = codes
         self.protect_metrics = protect_metrics
+        self.lifecycle = lifecycle
         self._prefix = os.urandom(4).hex()
         self._seq = itertools.count(1)
 
@@ -152,6 +161,7 @@ class _Edge:
         state = scope.setdefault("state", {})
         state["request_id"] = internal
         path: str = scope["path"]
+        handler = handler_of(path)
         needs_auth = not self.auth.open and (
             self.protect_metrics or not path.startswith(self.OPEN_PATHS)
         )
@@ -162,7 +172,7 @@ class _Edge:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.codes[message["status"]] += 1
+                self.codes[(handler, message["status"])] += 1
                 hdrs = list(message.get("headers", []))
                 names = {n for n, _ in hdrs}
                 hdrs.append((b"x-request-id", echo_b))
@@ -193,6 +203,10 @@ class _Edge:
             state["tenant"] = ""
         try:
             fast = self.FAST.get(path) if scope["method"] == "POST" else None
+            refusal = lifecycle_refusal(self.lifecycle, scope, fast is not None)
+            if refusal is not None:
+                await _send_error(send_wrapped, refusal[0], extra=refusal[1])
+                return
             if fast is not None:
                 gateway: Gateway = scope["app"].state.gw
                 await getattr(gateway, fast)(scope, receive, send_wrapped)
@@ -243,7 +257,11 @@ class Gateway:
     OFFLOAD_CHARS = 8192  # texts at least this long are tokenised off the event loop
 
     def __init__(
-        self, router: RouterClient, tokenizer: Tokenizer, config: GatewayConfig, codes: Counter[int]
+        self,
+        router: RouterClient,
+        tokenizer: Tokenizer,
+        config: GatewayConfig,
+        codes: Counter[HttpKey],
     ) -> None:
         self.router = router
         self.tok = tokenizer
@@ -648,26 +666,46 @@ def create_app(
     router_factory: RouterFactory,
     tokenizer: Tokenizer,
     config: GatewayConfig | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
-    """The gateway app. `router_factory` is awaited once, in the lifespan."""
+    """The gateway app. `router_factory` is awaited once, in the lifespan; with a
+    `lifecycle`, in the background and retried until it succeeds (deploy/lifecycle.py),
+    the app answering 503 + Retry-After meanwhile."""
     cfg = config or GatewayConfig()
-    codes: Counter[int] = Counter()
+    codes: Counter[HttpKey] = Counter()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        router = await router_factory()
-        gateway = Gateway(router, tokenizer, cfg, codes)
-        app.state.gw = gateway
+        built: list[Gateway] = []
+
+        def on_built(router: RouterClient) -> None:
+            built.append(Gateway(router, tokenizer, cfg, codes))
+            app.state.gw = built[0]
+
+        starting: asyncio.Task[None] | None = None
+        if lifecycle is None:
+            on_built(await router_factory())
+        else:
+            starting = asyncio.ensure_future(lifecycle.start(router_factory, on_built))
         try:
             yield
         finally:
-            gateway.close()
-            await router.close()
+            if starting is not None:
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            for gateway in built:
+                gateway.close()
+                await gateway.router.close()
 
     app = FastAPI(title="wasma gateway", version="0.1.0", lifespan=lifespan)
     app.add_middleware(
-        _Edge, auth=_Auth(cfg.api_keys), codes=codes, protect_metrics=cfg.protect_metrics
+        _Edge,
+        auth=_Auth(cfg.api_keys),
+        codes=codes,
+        protect_metrics=cfg.protect_metrics,
+        lifecycle=lifecycle,
     )
+    app.state.lifecycle = lifecycle
 
     def gw(request: Request) -> Gateway:
         g: Gateway = request.app.state.gw
@@ -750,6 +788,28 @@ def gw_of(app: FastAPI) -> Gateway:
 
 
 def _admin_routes(app: FastAPI, gateway: Callable[[], Gateway]) -> None:
+    @app.get("/live")
+    async def live() -> Response:
+        # The process answers: nothing else (an engine down must not restart the pod).
+        return _json(b'{"status":"ok"}')
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        lifecycle: Lifecycle | None = getattr(request.app.state, "lifecycle", None)
+        if lifecycle is not None and lifecycle.draining:
+            return _json(b'{"status":"draining"}', 503, headers={"retry-after": "5"})
+        try:
+            g = gateway()
+        except ApiError:
+            why = None if lifecycle is None else lifecycle.start_error
+            body = msgspec.json.encode({"status": "starting", "error": why})
+            return _json(body, 503, headers={"retry-after": "2"})
+        h = await g.router.health()
+        if h.get("status") != "ok":
+            body = msgspec.json.encode({"status": "no healthy engine"})
+            return _json(body, 503, headers={"retry-after": "2"})
+        return _json(b'{"status":"ok"}')
+
     @app.get("/health")
     async def health() -> Response:
         g = gateway()
@@ -778,5 +838,6 @@ def create_admin_app(main: FastAPI) -> FastAPI:
             exc.body(), exc.status, media_type="application/json", headers=exc.headers()
         )
 
+    app.state.lifecycle = getattr(main.state, "lifecycle", None)
     _admin_routes(app, lambda: gw_of(main))
     return app

@@ -22,13 +22,16 @@ distinct values, later ones reported as `other`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
+import platform
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,6 +46,45 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from wasma.engines.vllm_metrics import VllmMetrics
 
 MetricKind = Literal["counter", "gauge", "histogram"]
+
+# The gateway's routes, the values of `wasma_http_requests_total`'s `handler` label
+# (bounded: any other path is "other"). Probes and scrapes are handlers of their own, so
+# traffic panels and the error-ratio alert leave them out.
+HANDLERS: frozenset[str] = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/workflows",
+        "/v1/workflows/{workflow_id}",
+        "/live",
+        "/ready",
+        "/health",
+        "/metrics",
+        "/docs",
+        "/openapi.json",
+        "other",
+    }
+)
+PROBE_HANDLERS: frozenset[str] = frozenset({"/live", "/ready", "/health", "/metrics"})
+
+
+def handler_of(path: str) -> str:
+    """The `handler` label of a request path."""
+    if path in HANDLERS:
+        return path
+    if path.startswith("/v1/workflows/") and "/" not in path[len("/v1/workflows/") :]:
+        return "/v1/workflows/{workflow_id}"
+    return "other"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("wasma")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 GaugeMode = Literal["mostrecent", "livesum", "max"]
 
 
@@ -88,6 +130,12 @@ class WasmaMetrics:
     # Moving a prefix's KV between engines: sub-ms over NVLink to seconds over slow NICs.
     TRANSFER_BUCKETS_S: tuple[float, ...] = (
         1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    )  # fmt: skip
+
+    # Between two tokens of one stream: a decode step, 1 ms .. 2 s.
+    ITL_BUCKETS_S: tuple[float, ...] = (
+        0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+        0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
     )  # fmt: skip
 
     PLACEMENT_KINDS: frozenset[str] = frozenset({"reuse", "transfer", "recompute"})
@@ -139,7 +187,36 @@ class WasmaMetrics:
                    "Time the policy took to place one request.", ("policy",),
                    DECISION_BUCKETS_S),
         MetricSpec("wasma_http_requests_total", "counter",
-                   "HTTP responses of the gateway by status code.", ("code",)),
+                   "HTTP responses of the gateway by route (handler) and status code; "
+                   "probes and scrapes are their own handlers (/live, /ready, /health, "
+                   "/metrics), unknown paths 'other'.", ("handler", "code")),
+        MetricSpec("wasma_output_tokens_total", "counter",
+                   "Output tokens engines generated for the gateway's requests.", ("engine",)),
+        MetricSpec("wasma_request_inter_token_seconds", "histogram",
+                   "Mean time between two output tokens of a request (its decode time over "
+                   "its tokens after the first), one sample a request.", ("engine",),
+                   ITL_BUCKETS_S),
+        MetricSpec("wasma_engine_preemptions_total", "counter",
+                   "Requests the engine preempted (engine-reported; vLLM's num_preemptions).",
+                   ("engine",)),
+        MetricSpec("wasma_router_hold_seconds", "histogram",
+                   "Time a request waited at the router before it was placed (only "
+                   "requests the policy held).", (), REQUEST_BUCKETS_S),
+        MetricSpec("wasma_failovers_total", "counter",
+                   "Requests moved to another engine after theirs failed."),
+        MetricSpec("wasma_engine_faults_total", "counter",
+                   "Requests that failed by the engine's fault (error, stall, early end).",
+                   ("engine",)),
+        MetricSpec("wasma_requests_failed_total", "counter",
+                   "Requests that ended in an error after they were placed."),
+        MetricSpec("wasma_requests_cancelled_total", "counter",
+                   "Requests whose client left before they finished."),
+        MetricSpec("wasma_build_info", "gauge",
+                   "Always 1; the labels say which wasma and Python this process runs.",
+                   ("version", "python")),
+        MetricSpec("wasma_engine_info", "gauge",
+                   "Always 1; maps each engine label to the URL (and pod) it stands for.",
+                   ("engine", "url", "pod")),
         MetricSpec("wasma_router_queue_depth", "gauge",
                    "Requests waiting in the router for a placement or a parent.",
                    gauge_mode="livesum"),
@@ -191,6 +268,8 @@ class WasmaMetrics:
         self._histograms: dict[str, Histogram] = {}
         for spec in self.SPECS:
             self._build(spec)
+        self._gauges["wasma_build_info"].labels(_version(), platform.python_version()).set(1)
+        self._app_label("default")  # the app of workflows that name none
 
     def _build(self, spec: MetricSpec) -> None:
         if spec.kind == "counter":
@@ -232,9 +311,16 @@ class WasmaMetrics:
         app = app or "default"
         if app in self._apps:
             return app
-        if len(self._apps) >= self._max_apps:
-            return self.OTHER_APP
+        if len(self._apps - {"default", self.OTHER_APP}) >= self._max_apps:
+            app = self.OTHER_APP
+            if app in self._apps:
+                return app
         self._apps.add(app)
+        # Each app's counters exist from 0 before its first workflow ends: rate() and
+        # increase() need a sample before the first increment to count it.
+        for name in ("wasma_workflows_completed_total", "wasma_workflows_deadline_met_total"):
+            self._counters[name].labels(app)
+        self._histograms["wasma_workflow_latency_seconds"].labels(app)
         return app
 
     @staticmethod
@@ -249,6 +335,26 @@ class WasmaMetrics:
 
     # ---- what the gateway and router call ----------------------------------------------
 
+    def register_engine(self, engine: str, url: str = "") -> None:
+        """An engine of the router: its info series, and its counters at 0. `url` is
+        where it answers (empty for in-process engines); `pod` is the URL's first DNS
+        label, a StatefulSet pod's name behind a headless Service."""
+        host = urlsplit(url).hostname or ""
+        pod = "" if not host or host.replace(".", "").isdigit() else host.split(".")[0]
+        self._gauges["wasma_engine_info"].labels(engine, url, pod).set(1)
+        for name in (
+            "wasma_prompt_tokens_total",
+            "wasma_prefix_hit_tokens_total",
+            "wasma_output_tokens_total",
+            "wasma_engine_preemptions_total",
+            "wasma_engine_faults_total",
+        ):
+            self._counters[name].labels(engine)
+
+    def observe_workflow_started(self, app: str | None) -> None:
+        """A workflow began: its app's goodput counters exist (at 0) from now on."""
+        self._app_label(app)
+
     def observe_request(
         self,
         engine: str,
@@ -256,6 +362,7 @@ class WasmaMetrics:
         e2e_s: float,
         prompt_tokens: int,
         cached_tokens: int,
+        output_tokens: int = 0,
     ) -> None:
         """A request finished on `engine`. `ttft_s` is None when no token was produced."""
         if cached_tokens > prompt_tokens:
@@ -273,6 +380,33 @@ class WasmaMetrics:
         self._counters["wasma_prefix_hit_tokens_total"].labels(engine).inc(
             self._non_negative(cached_tokens, "cached_tokens")
         )
+        if output_tokens:
+            self._counters["wasma_output_tokens_total"].labels(engine).inc(
+                self._non_negative(output_tokens, "output_tokens")
+            )
+        if ttft_s is not None and output_tokens > 1:
+            itl = max(e2e_s - ttft_s, 0.0) / (output_tokens - 1)
+            self._histograms["wasma_request_inter_token_seconds"].labels(engine).observe(itl)
+
+    def observe_preemptions(self, engine: str, count: int) -> None:
+        if count > 0:
+            self._counters["wasma_engine_preemptions_total"].labels(engine).inc(count)
+
+    def observe_hold(self, seconds: float) -> None:
+        """A request the policy held at the router was placed after `seconds`."""
+        self._histograms["wasma_router_hold_seconds"].observe(max(seconds, 0.0))
+
+    def observe_failover(self) -> None:
+        self._counters["wasma_failovers_total"].inc()
+
+    def observe_engine_fault(self, engine: str) -> None:
+        self._counters["wasma_engine_faults_total"].labels(engine).inc()
+
+    def observe_request_end(self, failed: bool, cancelled: bool) -> None:
+        if failed:
+            self._counters["wasma_requests_failed_total"].inc()
+        elif cancelled:
+            self._counters["wasma_requests_cancelled_total"].inc()
 
     def observe_workflow(self, app: str | None, latency_s: float, met: bool) -> None:
         """A workflow finished; `met` says whether within its deadline.
@@ -342,9 +476,13 @@ class WasmaMetrics:
             if (engine,) in self._label_sets(gauge):
                 gauge.remove(engine)
 
-    def observe_http(self, code: int) -> None:
-        """The gateway answered with HTTP status `code`."""
-        self._counters["wasma_http_requests_total"].labels(self._code_label(code)).inc()
+    def observe_http(self, code: int, handler: str = "other", count: int = 1) -> None:
+        """The gateway answered `count` requests of route `handler` with status `code`."""
+        if handler not in HANDLERS:
+            handler = "other"
+        self._counters["wasma_http_requests_total"].labels(handler, self._code_label(code)).inc(
+            count
+        )
 
     def set_queue_depth(self, depth: int) -> None:
         """Requests waiting in the router (for a parent to finish or for a placement)."""

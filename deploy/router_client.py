@@ -36,7 +36,7 @@ class RouterClient(Protocol):
 
     async def health(self) -> dict[str, Any]: ...
 
-    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]: ...
+    async def render_metrics(self, http_codes: Mapping[Any, int]) -> tuple[bytes, str]: ...
 
     async def close(self) -> None: ...
 
@@ -63,7 +63,7 @@ class LocalRouterClient:
     async def health(self) -> dict[str, Any]:
         return self.service.health()
 
-    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]:
+    async def render_metrics(self, http_codes: Mapping[Any, int]) -> tuple[bytes, str]:
         return self.service.render_metrics(http_codes)
 
     async def close(self) -> None:
@@ -109,7 +109,7 @@ class RayRouterClient:
         out: dict[str, Any] = await self._call("health")
         return out
 
-    async def render_metrics(self, http_codes: Mapping[int, int]) -> tuple[bytes, str]:
+    async def render_metrics(self, http_codes: Mapping[Any, int]) -> tuple[bytes, str]:
         out: tuple[bytes, str] = await self._call("render_metrics", dict(http_codes))
         return out
 

@@ -147,6 +147,7 @@ class RouterService:
         self.cancelled = 0
         for engine in self.engines:
             engine.subscribe_kv_events(self._on_kv_event)
+            self.metrics.register_engine(engine.name, str(getattr(engine, "base_url", "") or ""))
 
     @property
     def engine_faults(self) -> int:
@@ -274,7 +275,9 @@ class RouterService:
             now - live.start_s,
             prompt,
             min(live.cached, prompt),
+            live.n_out,
         )
+        self.metrics.observe_request_end(live.failed, live.cancelled)
         if live.failed:
             self.failed += 1
         elif live.cancelled:
@@ -312,7 +315,7 @@ class RouterService:
 
     async def _sweep_workflows(self) -> None:
         while True:
-            await asyncio.sleep(min(self.config.idle_workflow_s / 4, 5.0))
+            await asyncio.sleep(min(self.config.idle_workflow_s / 4, 1.0))
             self.sweep_idle_workflows()
 
     def sweep_idle_workflows(self) -> int:
@@ -326,7 +329,9 @@ class RouterService:
         return len(closed)
 
     def register_workflow(self, data: Mapping[str, Any], tenant: str = "") -> dict[str, Any]:
-        return self.workflows_api.register(data, tenant)
+        status = self.workflows_api.register(data, tenant)
+        self.metrics.observe_workflow_started(str(status["app"]))
+        return status
 
     def workflow_status(self, workflow_id: str, tenant: str = "") -> dict[str, Any]:
         return self.workflows_api.status(workflow_id, tenant)
@@ -354,12 +359,13 @@ class RouterService:
             else {**self.calibrator.snapshot(), "recalibrations": self.recalibrations},
         }
 
-    def render_metrics(self, http_codes: Mapping[int, int] | None = None) -> tuple[bytes, str]:
-        """The /metrics page; `http_codes` are the gateway's status counts since the
-        last scrape (the gateway counts locally so requests never wait on metrics)."""
-        for code, count in (http_codes or {}).items():
-            for _ in range(count):
-                self.metrics.observe_http(code)
+    def render_metrics(self, http_codes: Mapping[Any, int] | None = None) -> tuple[bytes, str]:
+        """The /metrics page; `http_codes` are the gateway's counts since the last scrape,
+        by (handler, status) or by status alone (the gateway counts locally so requests
+        never wait on metrics)."""
+        for key, count in (http_codes or {}).items():
+            handler, code = key if isinstance(key, tuple) else ("other", key)
+            self.metrics.observe_http(int(code), str(handler), count)
         loads = self.ctx.state.loads
         for load in loads:
             self.metrics.set_engine(load.name, outstanding=load.outstanding)

@@ -36,6 +36,8 @@ from wasma.deploy.build import (
     resolve_profile,
 )
 from wasma.deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
+from wasma.deploy.http_limits import HttpLimits
+from wasma.deploy.lifecycle import DrainingServer, Lifecycle, LifecycleConfig
 from wasma.deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
 from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from wasma.engines.base import DEFAULT_RETAIN_S, MAX_RETAIN_S
@@ -101,6 +103,8 @@ def load_config_file(path: str | None) -> dict[str, Any]:
         "reliability",
         "calibration",
         "retain_lease_s",
+        "http",
+        "lifecycle",
     }
     unknown = set(data) - known
     if unknown:
@@ -128,7 +132,7 @@ def _check_config_types(data: dict[str, Any]) -> None:
     def fail(key: str, want: str) -> NoReturn:
         raise ConfigError(f"--config {key}: expected {want}, got {data[key]!r}")
 
-    for key in ("params", "engine_options", "gateway", "reliability"):
+    for key in ("params", "engine_options", "gateway", "reliability", "http", "lifecycle"):
         if key in data and not isinstance(data[key], Mapping):
             fail(key, "a mapping")
     if "sim_speed" in data:
@@ -355,7 +359,15 @@ def serve_main(args: argparse.Namespace) -> int:
     if cfg.model and not Path(cfg.model).is_dir():
         raise ConfigError(f"--model {cfg.model}: no such directory")
     if spec.kind == "openai":
-        check_engines_answer(spec.urls, cfg.engine_options.get("api_key"))
+        try:
+            check_engines_answer(spec.urls, cfg.engine_options.get("api_key"))
+        except ConfigError as exc:
+            # Not fatal: engines roll out independently of the gateway, which starts,
+            # answers 503 + Retry-After and turns ready once they answer (lifecycle.py).
+            log.warning("%s; the gateway starts and waits for it", exc)
+    limits = _dataclass_from(HttpLimits, file_cfg.get("http") or {}, "http")
+    life_cfg = _dataclass_from(LifecycleConfig, file_cfg.get("lifecycle") or {}, "lifecycle")
+    lifecycle = Lifecycle(life_cfg)
     keys = load_api_keys(args.api_key_file, os.environ)
     tokenizer, gcfg = gateway_setup(
         cfg, keys, getattr(args, "served_model_name", None), file_cfg.get("gateway", {})
@@ -370,9 +382,9 @@ def serve_main(args: argparse.Namespace) -> int:
         else:
             ray.init(include_dashboard=False)
         factory = ray_router_factory(cfg)
-    app = create_app(factory, tokenizer, gcfg)
+    app = create_app(factory, tokenizer, gcfg, lifecycle)
     if gcfg.admin_port is not None:
-        return _serve_two(app, args.host, args.port, gcfg.admin_port)
+        return _serve_two(app, args.host, args.port, gcfg.admin_port, limits, lifecycle)
     log.info(
         "wasma gateway on http://%s:%d (policy %s, engines %s, auth %s)",
         args.host,
@@ -381,17 +393,21 @@ def serve_main(args: argparse.Namespace) -> int:
         args.engines,
         "on" if keys else "off",
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        log_level="warning",
-        timeout_keep_alive=30,
-    )
+    _server(app, args.host, args.port, limits=limits, lifecycle=lifecycle).run()
     return 0
+
+
+def _dataclass_from(cls: Any, data: Any, key: str) -> Any:
+    """`cls(**data)` for a `--config` section, each mistake a one-line ConfigError."""
+    known = {f.name for f in fields(cls)}
+    if not isinstance(data, Mapping) or set(data) - known:
+        raise ConfigError(f"--config {key}: known keys are {sorted(known)}")
+    if not all(_is_number(v) for v in data.values()):
+        raise ConfigError(f"--config {key}: every value is a number")
+    try:
+        return cls(**dict(data))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--config {key}: {exc}") from None
 
 
 _RELIABILITY_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -436,28 +452,44 @@ def _reliability(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _server(
-    app: FastAPI, host: str, port: int, lifespan: Literal["auto", "on", "off"] = "auto"
+    app: FastAPI,
+    host: str,
+    port: int,
+    lifespan: Literal["auto", "on", "off"] = "auto",
+    limits: HttpLimits | None = None,
+    lifecycle: Lifecycle | None = None,
+    loop: str = "uvloop",
 ) -> uvicorn.Server:
-    return uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            loop="uvloop",
-            http="httptools",
-            access_log=False,
-            log_level="warning",
-            timeout_keep_alive=30,
-            lifespan=lifespan,
-        )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        # httptools with read limits: header size and header/body timeouts (http_limits.py).
+        http=(limits or HttpLimits()).protocol(),
+        access_log=False,
+        log_level="warning",
+        timeout_keep_alive=30,
+        lifespan=lifespan,
     )
+    if lifecycle is None:
+        return uvicorn.Server(config)
+    return DrainingServer(config, lifecycle)
 
 
-def _serve_two(app: FastAPI, host: str, port: int, admin_port: int) -> int:
+def _serve_two(
+    app: FastAPI,
+    host: str,
+    port: int,
+    admin_port: int,
+    limits: HttpLimits | None = None,
+    lifecycle: Lifecycle | None = None,
+) -> int:
     """The API on `port`, `/health` and `/metrics` on `admin_port`, one process."""
     log.info("wasma gateway on http://%s:%d, health and metrics on port %d", host, port, admin_port)
-    main = _server(app, host, port)
-    admin = _server(create_admin_app(app), host, admin_port, lifespan="off")
+    main = _server(app, host, port, limits=limits, lifecycle=lifecycle)
+    # The admin server keeps answering probes while the main one drains.
+    admin = _server(create_admin_app(app), host, admin_port, lifespan="off", limits=limits)
 
     async def both() -> None:
         await asyncio.gather(main.serve(), admin.serve())
@@ -486,6 +518,7 @@ class ServerThread:
         loop: str = "asyncio",
         admin_port: int | None = None,
         start_timeout_s: float = 60.0,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.host = host
         # How long `start()` (and `with`) waits for the app's startup: engines launched
@@ -503,7 +536,7 @@ class ServerThread:
             host=self.host,
             port=self.port,
             loop=loop,
-            http="httptools",
+            http=(limits or HttpLimits()).protocol(),
             access_log=False,
             log_level="warning",
             lifespan="on",

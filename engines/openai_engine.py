@@ -295,6 +295,7 @@ class OpenAIEngine(EngineClient):
             num_kv_blocks=self.num_kv_blocks or int(m.num_gpu_blocks or 0),
             prefix_cache_queries_tokens=int(m.prefix_cache_queries_tokens or 0),
             prefix_cache_hits_tokens=int(m.prefix_cache_hits_tokens or 0),
+            num_preemptions=int(m.num_preemptions or 0),
         )
 
     async def healthy(self) -> bool:

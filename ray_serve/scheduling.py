@@ -23,10 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from wasma.core.events import BlockStored
+from wasma.core.profile import load_profile
+from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from wasma.engines.base import BlockStored
-from wasma.engines.sim.profile import load_profile
 from wasma.scheduler import (
     ClusterState,
     PolicyContext,
@@ -36,7 +37,6 @@ from wasma.scheduler import (
     WorkflowRegistry,
     default_registry,
 )
-from wasma.scheduler.tokens import hash_token_blocks
 
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are
 # ever in flight, so an answer's headers always find theirs.

@@ -254,10 +254,20 @@ class Dispatcher:
     def sweep_idle(self, now: float, idle_s: float) -> list[Closed]:
         """Close workflows idle for `idle_s`: live ones with nothing open (agents do not
         say when a run ends), and registered DAGs whose client gave up half-way (they
-        count as missed). An unbounded registry would otherwise grow forever."""
+        count as missed). An unbounded registry would otherwise grow forever.
+
+        A live workflow with nothing in flight once its deadline passed has its outcome
+        settled (met if its last request ended in time, which a later one could only turn
+        into a miss), so it closes then rather than `idle_s` later; a request for it after
+        that starts a new run."""
         closed: list[Closed] = []
+        active = self.ctx.workflows.active
         for key, (outstanding, last) in list(self._open.items()):
-            if outstanding > 0 or now - last < idle_s:
+            if outstanding > 0:
+                continue
+            wst = active.get(key)
+            past_deadline = wst is not None and now > wst.deadline_s
+            if now - last < idle_s and not past_deadline:
                 continue
             done = self.close_live(key, now)
             if done is not None:

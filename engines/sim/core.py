@@ -106,6 +106,7 @@ class SimEngineCore:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
         self.name = name
+        self.num_preemptions = 0  # requests preempted since the start (vLLM counts it too)
         self.profile = profile
         self.policy = policy
         self.block_size = profile.block_size
@@ -154,6 +155,7 @@ class SimEngineCore:
             num_kv_blocks=self.kv.num_blocks,
             prefix_cache_queries_tokens=self.kv.queries_tokens,
             prefix_cache_hits_tokens=self.kv.hits_tokens,
+            num_preemptions=self.num_preemptions,
         )
 
     def _push_waiting(self, req: SimRequest, front: bool = False) -> None:
@@ -239,6 +241,7 @@ class SimEngineCore:
         req.num_cached_blocks = 0
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._push_waiting(req, front=True)
 
     def _unpin_waiting(self, head: SimRequest) -> bool:

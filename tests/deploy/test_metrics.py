@@ -165,7 +165,11 @@ def test_exports_every_metric_design_md_requires() -> None:
 def test_names_follow_conventions() -> None:
     for spec in WasmaMetrics.SPECS:
         assert spec.name.startswith("wasma_")
-        assert set(spec.labels) <= {"policy", "engine", "app", "kind", "code"}, spec.name
+        bounded = {"policy", "engine", "app", "kind", "code", "handler"}
+        if spec.name.endswith("_info"):
+            # One series per process or per engine: labels that describe it.
+            bounded |= {"version", "python", "url", "pod"}
+        assert set(spec.labels) <= bounded, spec.name
         if spec.kind == "counter":
             assert spec.name.endswith("_total")
         if spec.kind == "histogram":
@@ -290,9 +294,9 @@ def test_transfers_engines_http_queue_admission() -> None:
 
     for code in (200, 200, 429, 1234):
         m.observe_http(code)
-    assert value(m, "wasma_http_requests_total", code="200") == 2.0
-    assert value(m, "wasma_http_requests_total", code="429") == 1.0
-    assert value(m, "wasma_http_requests_total", code="other") == 1.0
+    assert value(m, "wasma_http_requests_total", handler="other", code="200") == 2.0
+    assert value(m, "wasma_http_requests_total", handler="other", code="429") == 1.0
+    assert value(m, "wasma_http_requests_total", handler="other", code="other") == 1.0
 
     m.set_queue_depth(7)
     m.observe_admission_rejected()
@@ -343,7 +347,7 @@ def test_multiprocess_mode_aggregates_processes(tmp_path: Path) -> None:
         for s in family.samples
     }
     assert out[("wasma_workflows_completed_total", (("app", "qa"),))] == 2.0
-    assert out[("wasma_http_requests_total", (("code", "200"),))] == 2.0
+    assert out[("wasma_http_requests_total", (("code", "200"), ("handler", "other")))] == 2.0
 
 
 # ---- vLLM /metrics reader ----------------------------------------------------------------

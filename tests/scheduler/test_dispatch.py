@@ -42,11 +42,17 @@ def test_a_live_workflow_is_opened_counted_and_swept_when_idle() -> None:
     d.release("w", 3.0)
     d.release("w", 4.0)
     assert not d.busy("w")
-    assert d.sweep_idle(now=10.0, idle_s=60.0) == []  # idle, not yet long enough
-    (closed,) = d.sweep_idle(now=64.5, idle_s=60.0)
+    assert d.sweep_idle(now=5.0, idle_s=60.0) == []  # idle, not long, deadline ahead
+    # Past its deadline with nothing open: its outcome is settled, it closes now.
+    (closed,) = d.sweep_idle(now=6.5, idle_s=60.0)
     # Ended at its last activity (4.0), within its 6.0 deadline.
     assert (closed.last_s, closed.met) == (4.0, True)
     assert d.open_workflows == 0 and d.ctx.workflows.get("w") is not None
+    # Without a deadline, idle for `idle_s` closes it.
+    d.open_request("v", "chat", None, now=10.0)
+    d.release("v", 11.0)
+    assert d.sweep_idle(now=70.0, idle_s=60.0) == []
+    assert [c.last_s for c in d.sweep_idle(now=71.5, idle_s=60.0)] == [11.0]
 
 
 def test_anonymous_requests_leave_nothing_behind() -> None:
