@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
 
-from wasma.transfer import Planner, build_preset
+from wasma.transfer import Planner, Topology, TopologyBuilder, build_preset
 from wasma.transfer.units import format_bytes, parse_size
 
 PRESETS = ("hgx-h100", "hgx-h200", "pcie-8")
@@ -38,6 +39,64 @@ def destination_sets(nodes: int) -> list[tuple[str, list[str]]]:
     if nodes >= 4:
         sets.append(("31 (all)", gpus[1:]))
     return sets
+
+
+def random_cluster(rng: random.Random) -> Topology:
+    """1-4 hosts of 1-4 GPUs: maybe an NVSwitch (some GPUs not on it), one or two PCIe
+    switches under a CPU, 0-2 NICs of mixed speeds a host, a fabric switch between."""
+    builder = TopologyBuilder("random")
+    hosts = rng.randint(1, 4)
+    if hosts > 1:
+        builder.add_device("fabric", "switch")
+    for h in range(hosts):
+        host = f"n{h}"
+        cpu = builder.add_device(f"{host}.cpu0", "cpu", host)
+        switches = []
+        for p in range(rng.randint(1, 2)):
+            switches.append(builder.add_device(f"{host}.pcie{p}", "pcie_switch", host))
+            builder.add_link(switches[-1], cpu, rng.uniform(10e9, 60e9), 0.5e-6, "pcie")
+        nvswitch = None
+        if rng.random() < 0.6:
+            nvswitch = builder.add_device(f"{host}.nvswitch", "nvswitch", host)
+        for g in range(rng.randint(1, 4)):
+            gpu = builder.add_device(f"{host}.gpu{g}", "gpu", host)
+            builder.add_link(gpu, rng.choice(switches), rng.uniform(10e9, 60e9), 0.5e-6, "pcie")
+            if nvswitch is not None and rng.random() < 0.8:  # some GPUs miss NVLink
+                builder.add_link(gpu, nvswitch, rng.uniform(100e9, 450e9), 0.7e-6, "nvlink")
+        if hosts > 1:
+            for n in range(rng.randint(1, 2)):
+                nic = builder.add_device(f"{host}.nic{n}", "nic", host)
+                builder.add_link(nic, rng.choice(switches), rng.uniform(20e9, 60e9), 0.5e-6, "pcie")
+                builder.add_link(nic, "fabric", rng.choice([12.5e9, 25e9, 50e9]), 1.5e-6, "network")
+    return builder.build()
+
+
+def random_sweep(seeds: int) -> dict[str, Any]:
+    """The planner's pick over the bound on random clusters (`random_cluster`), one
+    source to a random number of the other GPUs, at 64 MiB and 1 GiB."""
+    ratios: list[float] = []
+    worst: list[tuple[float, int, int]] = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        topology = random_cluster(rng)
+        gpus = topology.gpus()
+        rng.shuffle(gpus)
+        if len(gpus) < 2:
+            continue
+        dsts = gpus[1 : 1 + rng.randint(1, len(gpus) - 1)]
+        for size in (64 << 20, 1 << 30):
+            ratio = Planner(topology).plan(gpus[0], dsts, size).ratio
+            assert ratio is not None
+            ratios.append(ratio)
+            worst.append((ratio, seed, size))
+    ratios.sort()
+    return {
+        "cases": len(ratios),
+        "median": ratios[len(ratios) // 2],
+        "p90": ratios[int(0.9 * len(ratios))],
+        "max": ratios[-1],
+        "above_1.15": [(s, b) for r, s, b in sorted(worst, reverse=True) if r > 1.15],
+    }
 
 
 def baseline_s(planner: Planner, dsts: list[str], size: int) -> tuple[str, float]:
@@ -85,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1GiB,64MiB,4KiB")
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--random", type=int, default=0, help="instead: sweep this many random clusters"
+    )
     args = parser.parse_args(argv)
+    if args.random:
+        print(json.dumps(random_sweep(args.random)))
+        return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     rows = []
     print(

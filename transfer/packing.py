@@ -73,20 +73,32 @@ class Packing:
 
 
 class FlowNetwork:
-    """Directed capacities, latencies and device limits read from a `LinkTable` once."""
+    """Directed capacities, latencies and device limits read from a `LinkTable` once.
 
-    def __init__(self, table: LinkTable) -> None:
+    `hosts` keeps only the devices of those machines (and, with more than one, the network
+    between them): a packing for GPUs of two nodes need not search the other nodes."""
+
+    def __init__(self, table: LinkTable, hosts: Iterable[str] | None = None) -> None:
         topology = table.topology
-        self.is_gpu = {d.name: d.kind == "gpu" for d in topology.devices()}
+        keep = set(hosts) if hosts is not None else None
+        devices = [
+            d
+            for d in topology.devices()
+            if keep is None
+            or d.host in keep
+            or (d.host == d.name and d.kind == "switch" and len(keep) > 1)
+        ]
+        self.is_gpu = {d.name: d.kind == "gpu" for d in devices}
         self.capacity: dict[Resource, float] = {}
         self.adjacent: dict[str, list[str]] = {name: [] for name in self.is_gpu}
         for u, v in table.directed_links():
             c = table.capacity(u, v)
-            if c > 0:
+            if c > 0 and u in self.is_gpu and v in self.is_gpu:
                 self.capacity[u, v] = c
                 self.adjacent[u].append(v)
         for node, limit in table.throughputs().items():
-            self.capacity[node] = limit
+            if node in self.is_gpu:
+                self.capacity[node] = limit
         for neighbours in self.adjacent.values():
             neighbours.sort()
 
@@ -184,12 +196,17 @@ class FlowNetwork:
         max_rounds: int = 400,
         epsilon: float = 1.0,
         check_every: int = 4,
+        bound_Bps: float | None = None,
     ) -> Packing | None:
-        """Trees and rates within `tolerance` of the bound where the rounds get there."""
+        """Trees and rates within `tolerance` of the bound (`bound_Bps`, or this network's
+        own max-flow rate) where the rounds get there."""
         targets = [d for d in dict.fromkeys(dsts) if d not in holders]
         if not targets:
             return Packing((), 0.0, math.inf, 0)
-        bound = min(self.max_flow_Bps(holders, d) for d in targets)
+        if any(d not in self.is_gpu for d in (*holders, *targets)):
+            return None
+        own = min(self.max_flow_Bps(holders, d) for d in targets)
+        bound = own if bound_Bps is None else min(bound_Bps, own)
         if not bound > 0:
             return None
         length: dict[Resource, float] = {key: 1.0 / c for key, c in self.capacity.items()}

@@ -145,13 +145,8 @@ class Planner:
         targets = frozenset(d for d in dsts if d not in sources)
         if not targets or num_bytes == 0:
             return 0.0
-        key = (sources, targets)
-        entry = self._bounds.get(key)
-        if entry is None:
-            network = self._flow_network()
-            rate = min(network.max_flow_Bps(sources, d) for d in sorted(targets))
-            entry = self._bounds[key] = (rate, latency_floor_s(self.links, sources, list(targets)))
-        rate, floor = entry
+        rate = self._rate(sources, targets)
+        floor = self._bounds[sources, targets][1]
         if not rate > 0:
             raise TopologyError(f"no working path from {', '.join(sources)} to every destination")
         return num_bytes / rate + floor
@@ -161,8 +156,26 @@ class Planner:
         self._refresh()
         key = (tuple(dict.fromkeys(holders)), frozenset(dsts))
         if key not in self._packings:
-            self._packings[key] = self._flow_network().pack(key[0], sorted(key[1]))
+            # Packed on the machines involved only (the bound keeps the whole cluster):
+            # a smaller search that converges sooner, and the other nodes' links stay
+            # free; the full cluster is the fallback where that finds no tree.
+            hosts = {self.topology.host_of(d) for d in (*key[0], *key[1])}
+            local = FlowNetwork(self.links, hosts)
+            found = local.pack(key[0], sorted(key[1]), bound_Bps=self._rate(key[0], key[1]))
+            if found is None:
+                found = self._flow_network().pack(key[0], sorted(key[1]))
+            self._packings[key] = found
         return self._packings[key]
+
+    def _rate(self, sources: tuple[str, ...], targets: frozenset[str]) -> float:
+        """The max-flow rate of the worst destination, on the whole cluster."""
+        key = (sources, frozenset(d for d in targets if d not in sources))
+        entry = self._bounds.get(key)
+        if entry is None:
+            network = self._flow_network()
+            rate = min((network.max_flow_Bps(sources, d) for d in sorted(key[1])), default=0.0)
+            entry = self._bounds[key] = (rate, latency_floor_s(self.links, sources, list(key[1])))
+        return entry[0]
 
     def _flow_network(self) -> FlowNetwork:
         if self._network is None:

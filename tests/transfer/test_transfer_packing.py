@@ -11,41 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wasma.transfer import Planner, TopologyBuilder, TransferPlan, build_preset
+from wasma.benchmarks.plan_table import random_cluster
+from wasma.transfer import Planner, TransferPlan, build_preset
 from wasma.transfer.plan import check_plan
-from wasma.transfer.topology import Topology
 
 MIB = 1 << 20
-
-
-def random_cluster(rng: random.Random) -> Topology:
-    """1-4 hosts of 1-4 GPUs: maybe an NVSwitch (some GPUs not on it), one or two PCIe
-    switches under a CPU, 0-2 NICs of mixed speeds a host, a fabric switch between."""
-    builder = TopologyBuilder("random")
-    hosts = rng.randint(1, 4)
-    if hosts > 1:
-        builder.add_device("fabric", "switch")
-    for h in range(hosts):
-        host = f"n{h}"
-        cpu = builder.add_device(f"{host}.cpu0", "cpu", host)
-        switches = []
-        for p in range(rng.randint(1, 2)):
-            switches.append(builder.add_device(f"{host}.pcie{p}", "pcie_switch", host))
-            builder.add_link(switches[-1], cpu, rng.uniform(10e9, 60e9), 0.5e-6, "pcie")
-        nvswitch = None
-        if rng.random() < 0.6:
-            nvswitch = builder.add_device(f"{host}.nvswitch", "nvswitch", host)
-        for g in range(rng.randint(1, 4)):
-            gpu = builder.add_device(f"{host}.gpu{g}", "gpu", host)
-            builder.add_link(gpu, rng.choice(switches), rng.uniform(10e9, 60e9), 0.5e-6, "pcie")
-            if nvswitch is not None and rng.random() < 0.8:  # some GPUs miss NVLink
-                builder.add_link(gpu, nvswitch, rng.uniform(100e9, 450e9), 0.7e-6, "nvlink")
-        if hosts > 1:
-            for n in range(rng.randint(1, 2)):
-                nic = builder.add_device(f"{host}.nic{n}", "nic", host)
-                builder.add_link(nic, rng.choice(switches), rng.uniform(20e9, 60e9), 0.5e-6, "pcie")
-                builder.add_link(nic, "fabric", rng.choice([12.5e9, 25e9, 50e9]), 1.5e-6, "network")
-    return builder.build()
 
 
 def check_fluid_schedule(planner: Planner, plan: TransferPlan) -> None:
