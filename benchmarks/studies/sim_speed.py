@@ -1,9 +1,9 @@
 """Simulator speed: simulated requests per second of one core, and a large-cluster run.
 
-    python -m wasma.benchmarks.studies.sim_speed                     # the three apps at 8 engines
-    python -m wasma.benchmarks.studies.sim_speed --large  # + 1,024 engines, 100,000 workflows
-    python -m wasma.benchmarks.studies.sim_speed --token-scale 0.02
-        # the same apps, 50x fewer tokens
+    python -m wasma.benchmarks.studies.sim_speed               # the three apps at 8 engines
+    python -m wasma.benchmarks.studies.sim_speed --wide        # + 64 engines under wasma
+    python -m wasma.benchmarks.studies.sim_speed --large       # + 1,024 engines, 100k workflows
+    python -m wasma.benchmarks.studies.sim_speed --token-scale 0.02  # 50x fewer tokens
 
 CPU time (time.process_time) is reported beside wall time: on a shared machine, wall time
 also counts other processes' turns on the core. Other processes still slow a run's CPU
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/sim-speed")
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--large-workflows", type=int, default=100_000)
+    ap.add_argument("--wide", action="store_true", help="also 64 engines under wasma")
+    ap.add_argument("--wide-workflows", type=int, default=1_000)
     ap.add_argument("--repeat", type=int, default=1, help="keep the fastest of N runs")
     ap.add_argument("--policies", default="least_loaded,wasma")
     ap.add_argument(
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.token_scale <= 100:
         ap.error("--token-scale must be in (0, 100]")
+    for flag in ("large_workflows", "wide_workflows", "repeat"):
+        if getattr(args, flag) <= 0:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer")
     rows = []
     # Loads near least_loaded's knee on 8 engines (see README): the cluster is busy.
     for app, rate in (("pipeline", 3.0), ("mapreduce", 3.0), ("debate", 4.0)):
@@ -85,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(app, 500, rate, 8, policy, args.repeat, args.token_scale)
             rows.append(row)
             print(json.dumps(row))
+    if args.wide:
+        # 64 engines = 8 x the 8-engine load; wasma's decisions weigh every engine.
+        row = measure(
+            "mapreduce", args.wide_workflows, 3.0 * 8, 64, "wasma", args.repeat, args.token_scale
+        )
+        rows.append(row)
+        print(json.dumps(row))
     if args.large:
         # 1,024 engines = 128 x the 8-engine load.
         row = measure("mapreduce", args.large_workflows, 3.0 * 128, 1024, "least_loaded")

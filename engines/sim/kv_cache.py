@@ -533,11 +533,11 @@ class KVCache:
         """Like `seed`, but the prefix's blocks stay held (ref +1) for the request the
         KV was moved for, as a connector's load holds them in vLLM; the caller frees
         them once that request is admitted."""
-        n_have = self.count_hit(block_hashes)
-        have = list(map(self.cached.__getitem__, block_hashes[:n_have]))
+        # One lookup pass finds the cached prefix and its blocks.
+        have = self.longest_hit(block_hashes, len(block_hashes))
+        n_have = len(have)
         self.touch(have)  # the prefix being extended must not be evicted to extend it
-        todo = list(block_hashes[n_have:])
-        todo = todo[: self.num_free]
+        todo = list(block_hashes[n_have : n_have + self.num_free])
         if not todo:
             return have
         blocks = self.allocate(len(todo))

@@ -21,3 +21,11 @@ def test_a_token_scale_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixtu
         main(["--token-scale", "0"])
     assert exc.value.code == 2
     assert "--token-scale must be in (0, 100]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--wide-workflows", "--large-workflows", "--repeat"])
+def test_a_count_below_one_is_a_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag} must be a positive integer" in capsys.readouterr().err
