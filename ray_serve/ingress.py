@@ -63,7 +63,8 @@ class WasmaIngress(OpenAiIngress):
         if request_id is None and raw_request is not None:
             request_id = getattr(raw_request.state, "request_id", None)
         if request_id:
-            response.headers["x-request-id"] = request_id
+            if "x-request-id" not in response.headers:  # Serve's proxy usually echoes it
+                response.headers["x-request-id"] = request_id
             state = self._state(await self._get_model_id(body.model))
             if state is not None:
                 # Routing is done: Ray's ingress awaited the first chunk above.
