@@ -39,6 +39,15 @@ def serve_ray(args: argparse.Namespace) -> int:
         raise RayServeConfigError("--ray-serve needs --engines vllm:N (N LLMServer replicas)")
     if not args.model or not Path(args.model).is_dir():
         raise RayServeConfigError("--ray-serve needs --model DIR, a model directory")
+    if args.api_key_file or os.environ.get("WASMA_API_KEYS"):
+        # Ray's ingress has no key check; serving open when keys were asked for would be
+        # worse than not starting.
+        raise RayServeConfigError(
+            "--ray-serve does not check API keys: put Ray Serve behind your own "
+            "authenticating proxy and unset WASMA_API_KEYS / --api-key-file"
+        )
+    if args.config:
+        raise RayServeConfigError("--ray-serve takes no --config (set --policy and --profile)")
     if args.policy not in default_registry().names():
         names = ", ".join(default_registry().names())
         raise RayServeConfigError(f"unknown policy {args.policy!r}; choose from: {names}")

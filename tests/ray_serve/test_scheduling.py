@@ -148,6 +148,8 @@ def test_request_parts_reads_the_ingress_call() -> None:
         (["--engines", "sim:2"], "vllm:N"),
         (["--engines", "vllm:2"], "--model DIR"),
         (["--engines", "vllm:2", "--model", ".", "--policy", "nope"], "unknown policy"),
+        (["--engines", "vllm:2", "--model", ".", "--api-key-file", "k"], "API keys"),
+        (["--engines", "vllm:2", "--model", ".", "--config", "c.yaml"], "no --config"),
     ],
 )
 def test_cli_ray_serve_mistakes_are_one_line(
