@@ -209,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         "between engines instead of recomputing it",
     )
     sv.add_argument("--served-model-name", default=None)
+    sv.add_argument(
+        "--ray-serve",
+        action="store_true",
+        help="serve through Ray Serve LLM: --engines vllm:N LLMServer replicas behind Ray's "
+        "ingress, placed by wasma's WorkflowRouter (wasma.ray_serve)",
+    )
 
     pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)
     pl.add_argument("rest", nargs=argparse.REMAINDER)
@@ -377,6 +383,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray_serve:
+        from wasma.ray_serve.serve import serve_ray
+
+        return serve_ray(args)
     from wasma.deploy.serve import serve_main
 
     return serve_main(args)

@@ -24,6 +24,7 @@ from ray.serve.deployment import Application
 
 from wasma.ray_serve.ingress import WasmaIngress
 from wasma.ray_serve.router import WorkflowRouter
+from wasma.scheduler.registry import default_registry
 
 
 def state_name(model_id: str) -> str:
@@ -37,12 +38,24 @@ def build_openai_app(
     params: Mapping[str, Any] | None = None,
 ) -> Application:
     """Ray's `build_openai_app(llm_serving_args)`; `policy` (any name in wasma's
-    registry), `profile` and `params` choose how `WorkflowRouter` decides."""
-    args = (
-        llm_serving_args
-        if isinstance(llm_serving_args, LLMServingArgs)
-        else LLMServingArgs.model_validate(dict(llm_serving_args))
-    )
+    registry), `profile` and `params` choose how `WorkflowRouter` decides (or, from a
+    Serve config file, `args.wasma: {policy, profile, params}`)."""
+    if isinstance(llm_serving_args, LLMServingArgs):
+        args = llm_serving_args
+    else:
+        raw = dict(llm_serving_args)
+        # A Serve config file (KubeRay's serveConfigV2) can only pass one `args` mapping:
+        # wasma's own settings ride in it under `wasma`.
+        own = raw.pop("wasma", None) or {}
+        if not isinstance(own, Mapping) or set(own) - {"policy", "profile", "params"}:
+            raise ValueError("args.wasma takes only policy, profile and params")
+        policy = own.get("policy", policy)
+        profile = own.get("profile", profile)
+        params = own.get("params", params)
+        args = LLMServingArgs.model_validate(raw)
+    if policy not in default_registry().names():
+        known = ", ".join(default_registry().names())
+        raise ValueError(f"unknown policy {policy!r}; choose from: {known}")
     names: dict[str, str] = {}
     configs: list[Any] = list(args.llm_configs)  # validated: LLMConfig objects
     for cfg in configs:

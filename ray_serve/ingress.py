@@ -4,7 +4,9 @@ Requests are answered by Ray's `OpenAiIngress` (and so by vLLM in the `LLMServer
 replicas). This subclass adds what DESIGN.md promises on every response: bad workflow
 metadata is a 400 naming the field before anything is placed, and the answer carries
 `x-wasma-engine` (the Serve replica id `WorkflowRouter` chose), `x-wasma-placement`
-(`reuse`, `transfer` or `recompute`) and echoes `x-request-id`.
+(`reuse`, `transfer` or `recompute`); Serve's proxy echoes `x-request-id`. A request whose replica
+dies before it answered is sent again (a stream is, until its first chunk), so a lost
+replica costs the client time, not an error.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from typing import Any
 
 import ray
 from fastapi import Request, Response
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from ray.serve._private.constants import SERVE_NAMESPACE
 
 from wasma.deploy.metadata import MetadataError, workflow_identity
+
+# Replicas that may die under one request before it fails (Serve replaces a dead one).
+RETRIES = 2
 
 
 class WasmaIngress(OpenAiIngress):
@@ -58,12 +64,24 @@ class WasmaIngress(OpenAiIngress):
             raise OpenAIHTTPException(
                 message=str(exc), status_code=400, type="BadRequestError"
             ) from None
-        response: Response = await super()._process_llm_request(body, call_method, raw_request)
+        response: Response | None = None
+        for attempt in range(RETRIES + 1):
+            try:
+                response = await super()._process_llm_request(body, call_method, raw_request)
+                break
+            except (RayActorError, ActorUnavailableError):
+                # The replica died before answering (Ray's ingress awaits a non-streaming
+                # answer, or a stream's first chunk, before it responds): nothing reached
+                # the client, so ask again; the router places it on a live replica.
+                if attempt == RETRIES:
+                    raise
+        assert response is not None
         request_id = headers.get("x-request-id")
         if request_id is None and raw_request is not None:
             request_id = getattr(raw_request.state, "request_id", None)
         if request_id:
-            response.headers["x-request-id"] = request_id
+            # x-request-id: Serve's proxy echoes it on every answer (setting it here too
+            # would send it twice).
             state = self._state(await self._get_model_id(body.model))
             if state is not None:
                 # Routing is done: Ray's ingress awaited the first chunk above.

@@ -240,6 +240,17 @@ class SchedulingState:
             self.ctx.state.set_healthy(self.ctx.state.slot(replica), False)
             self.ctx.index.remove_engine_blocks(replica)
 
+    def decision_us(self) -> dict[str, float]:
+        """p50 and p99 of the policy's own decision time (µs), for the router's budget."""
+        times = sorted(self.router.decision_us)
+        if not times:
+            return {"p50": 0.0, "p99": 0.0, "n": 0.0}
+        return {
+            "p50": times[len(times) // 2],
+            "p99": times[min(len(times) - 1, int(0.99 * len(times)))],
+            "n": float(len(times)),
+        }
+
     def loads(self) -> dict[str, int]:
         """Outstanding requests per replica, as the state counts them (for tests and
         dashboards)."""

@@ -30,6 +30,7 @@ EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 CRD_SCHEMAS = {
     ("ray.io/v1", "RayCluster"): "raycluster-ray-v1.json",
+    ("ray.io/v1", "RayService"): "rayservice-ray-v1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json",
 }
@@ -86,9 +87,10 @@ def pod_templates(objects: list[Obj]) -> Iterator[tuple[str, Obj]]:
     for o in objects:
         if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
             yield o["metadata"]["name"], o["spec"]["template"]
-        if o["kind"] == "RayCluster":
-            yield o["metadata"]["name"] + "/head", o["spec"]["headGroupSpec"]["template"]
-            for group in o["spec"]["workerGroupSpecs"]:
+        if o["kind"] in ("RayCluster", "RayService"):
+            spec = o["spec"] if o["kind"] == "RayCluster" else o["spec"]["rayClusterConfig"]
+            yield o["metadata"]["name"] + "/head", spec["headGroupSpec"]["template"]
+            for group in spec["workerGroupSpecs"]:
                 yield o["metadata"]["name"] + "/" + group["groupName"], group["template"]
 
 
@@ -309,11 +311,15 @@ def test_selectors_match_pod_labels(values_file: Path) -> None:
     labels = {where: t["metadata"]["labels"] for where, t in templates.items()}
     service = one(objects, "Service")
     gateway_pods = [w for w, lab in labels.items() if matches(service["spec"]["selector"], lab)]
-    # Exactly the pod template that runs the gateway container.
+    # Exactly the pod template that serves the API: the gateway container's, or in
+    # RayService mode the Ray head's, whose Serve proxy listens on the port named http.
     assert gateway_pods == [
         w
         for w, t in templates.items()
-        if any(c["name"] == "gateway" for c in t["spec"]["containers"])
+        if any(
+            c["name"] == "gateway" or any(p.get("name") == "http" for p in c.get("ports", []))
+            for c in t["spec"]["containers"]
+        )
     ]
     for deployment in (o for o in objects if o["kind"] == "Deployment"):
         assert matches(
@@ -327,6 +333,10 @@ def test_selectors_match_pod_labels(values_file: Path) -> None:
         w for w, lab in labels.items() if matches(policy["spec"]["podSelector"]["matchLabels"], lab)
     ]
     assert sorted(selected) == sorted(labels)  # every pod of the release is covered
+    if not any(o["kind"] == "ServiceMonitor" for o in objects):
+        # Only the RayService example goes without: Ray Serve has no wasma /metrics.
+        assert one(objects, "RayService")
+        return
     monitor = one(objects, "ServiceMonitor")
     assert matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {
@@ -498,3 +508,24 @@ def test_dockerfile_matches_the_chart() -> None:
     assert packages <= copied
     for source in copied:
         assert (REPO / source).is_dir(), source
+
+
+def test_rayservice_runs_wasma_ray_serve() -> None:
+    objects = example("rayservice.yaml")
+    assert "RayCluster" not in kinds(objects)  # KubeRay makes the cluster from the service
+    service = one(objects, "RayService")
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    assert app["import_path"] == "wasma.ray_serve.app:build_openai_app"
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["deployment_config"]["num_replicas"] == 4
+    assert llm["model_loading_config"] == {
+        "model_id": "llama-3-8b",
+        "model_source": "/models/Meta-Llama-3-8B-Instruct",
+    }
+    assert llm["engine_kwargs"]["max_model_len"] == 8192
+    assert app["args"]["wasma"]["policy"] == "wasma"
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    # No wasma gateway beside Serve: Ray's proxy on the head answers on port http.
+    assert [c["name"] for c in head["containers"]] == ["ray-head"]
+    assert {"name": "http", "containerPort": 8000} in head["containers"][0]["ports"]

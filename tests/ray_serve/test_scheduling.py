@@ -140,3 +140,52 @@ def test_request_parts_reads_the_ingress_call() -> None:
     assert fields["metadata"] == {"wasma_workflow_id": "w"}
     assert fields["max_tokens"] == 5
     assert request_parts(SimpleNamespace(args=[], kwargs={})) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engines", "sim:2"], "vllm:N"),
+        (["--engines", "vllm:2"], "--model DIR"),
+        (["--engines", "vllm:2", "--model", ".", "--policy", "nope"], "unknown policy"),
+        (["--engines", "vllm:2", "--model", ".", "--api-key-file", "k"], "API keys"),
+        (["--engines", "vllm:2", "--model", ".", "--config", "c.yaml"], "no --config"),
+    ],
+)
+def test_cli_ray_serve_mistakes_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from wasma.deploy.cli import main
+
+    assert main(["serve", "--ray-serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_build_openai_app_from_a_serve_config_installs_the_router() -> None:
+    """The `args` KubeRay's serveConfigV2 passes (helm/wasma/examples/rayservice.yaml)."""
+    pytest.importorskip("ray.serve.llm")
+    from wasma.ray_serve import WorkflowRouter, build_openai_app
+
+    llm = {
+        "model_loading_config": {"model_id": "m", "model_source": "/models/m"},
+        "deployment_config": {"num_replicas": 2},
+        "engine_kwargs": {"block_size": 16},
+    }
+    app = build_openai_app({"llm_configs": [llm], "wasma": {"policy": "ray_prefix_affinity"}})
+    ingress = app._bound_deployment
+    assert ingress.name == "WasmaIngress"
+    (server,) = ingress.init_kwargs["llm_deployments"].values()
+    router = server._bound_deployment._deployment_config.request_router_config
+    assert router.request_router_class.endswith("WorkflowRouter")
+    assert WorkflowRouter.__name__ == "WorkflowRouter"
+    kwargs = router.request_router_kwargs
+    assert kwargs["policy"] == "ray_prefix_affinity"
+    assert kwargs["block_size"] == 16
+    assert kwargs["model"] == "/models/m"
+    assert ingress.init_kwargs["wasma_state_names"] == {"m": "WasmaScheduling::m"}
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_openai_app({"llm_configs": [llm], "wasma": {"policy": "nope"}})
+    with pytest.raises(ValueError, match="only policy"):
+        build_openai_app({"llm_configs": [llm], "wasma": {"polcy": "wasma"}})
