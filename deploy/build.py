@@ -70,7 +70,7 @@ class ServiceConfig:
     model: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
     sim_speed: float = 1.0
-    max_outstanding: int = 8192
+    max_outstanding: int | None = None  # None: sized from the engines (admission.py)
     # openai engines: where each server publishes KV events (tcp://host:port), by index.
     kv_events: tuple[str, ...] = ()
     engine_options: Mapping[str, Any] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from wasma.deploy.admission import deadline_refusal, default_limit
 from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.metrics import WasmaMetrics
@@ -272,7 +273,8 @@ class RouterService:
         metrics: WasmaMetrics | None = None,
         registry: PolicyRegistry | None = None,
         pricer: TransferPricer | None = None,
-        max_outstanding: int = 8192,
+        max_outstanding: int | None = None,
+        shed_past_deadline: bool = True,
         stats_interval_s: float = 0.25,
         idle_workflow_s: float = 60.0,
         request_timeout_s: float = 60.0,
@@ -330,7 +332,13 @@ class RouterService:
         self.calibrator: CostCalibrator | None = None
         self.recalibrations = 0
         self.set_calibration(calibration)
-        self.max_outstanding = max_outstanding
+        self.shed_past_deadline = shed_past_deadline
+        # None: sized from the engines (deploy/admission.py), not a fixed number.
+        self.max_outstanding = (
+            max_outstanding
+            if max_outstanding is not None
+            else default_limit(len(self.engines), profile)
+        )
         self.stats_interval_s = stats_interval_s
         # The last KV load (EngineStats.kv_loads) counted into the metrics, per engine.
         self._kv_loads_seen: dict[str, int] = {}
@@ -606,6 +614,7 @@ class RouterService:
         probe = wst or WorkflowState(None, wkey, "", now, math.inf)
         if (why := probe.parent_error(node_id, ident.parents)) is not None:
             raise BadRequest(why, "x-wasma-parents")
+        self._shed_by_deadline(req, wst, now)
         if wst is None:
             deadline = ident.deadline_s if ident.deadline_s is not None else math.inf
             wst = registry.ensure(wkey, ident.app or "default", now, deadline)
@@ -627,6 +636,30 @@ class RouterService:
             deadline_s=wst.deadline_s,
             parents=ident.parents,
         )
+
+    def _shed_by_deadline(self, req: ServiceRequest, wst: WorkflowState | None, now: float) -> None:
+        """503 + Retry-After now for a request whose workflow's deadline is out of reach
+        even on the least loaded engine (deploy/admission.py), rather than a wait that
+        ends past it; before a new workflow is entered, so a refusal leaves nothing."""
+        if not self.shed_past_deadline:
+            return
+        if wst is not None:
+            deadline = wst.deadline_s
+        elif req.identity.deadline_s is not None:
+            deadline = now + req.identity.deadline_s
+        else:
+            return
+        why = deadline_refusal(
+            now,
+            deadline,
+            self.ctx.state.loads,
+            self.ctx.profile,
+            len(req.prompt_token_ids),
+            req.max_tokens,
+        )
+        if why is not None:
+            self.metrics.observe_admission_rejected()
+            raise Unavailable(why.message, None, why.retry_after_s)
 
     def _place(
         self, req: ServiceRequest, info: RequestInfo, force: bool = False

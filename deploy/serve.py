@@ -279,7 +279,7 @@ def ray_router_factory(cfg: ServiceConfig) -> Any:
         # bounds requests in flight, so set it above the router's own admission limit.
         handle = actor_cls.options(
             name="wasma-router",
-            max_concurrency=max(cfg.max_outstanding * 2, 1000),
+            max_concurrency=max((cfg.max_outstanding or 8192) * 2, 1000),
             num_cpus=0,
             get_if_exists=False,
             # Ray brings a dead router back; it replays the journal (registered DAGs and
@@ -332,7 +332,7 @@ def serve_main(args: argparse.Namespace) -> int:
         model=args.model,
         params=file_cfg.get("params", {}),
         sim_speed=float(getattr(args, "sim_speed", None) or file_cfg.get("sim_speed", 1.0)),
-        max_outstanding=int(file_cfg.get("max_outstanding", 8192)),
+        max_outstanding=file_cfg.get("max_outstanding"),
         kv_events=kv_events,
         kv_transfer=kv_transfer,
         engine_options=file_cfg.get("engine_options", {}),
