@@ -224,8 +224,16 @@ def gateway_setup(
     elif model_dir:
         tokenizer = HFTokenizer(model_dir)
         names += [model_dir, Path(model_dir).name]
-    else:
+    elif gw.get("token_ids_only"):
         tokenizer = TokenIdsOnly()
+    else:
+        # Without the served model's tokenizer every text request would be a 400: say so
+        # now, not once per request.
+        raise ConfigError(
+            "--engines openai: the gateway needs the served model's tokenizer: give --model "
+            "DIR (a directory with its tokenizer files; the chart's model.path), or set "
+            "--config gateway.token_ids_only: true to accept token-id prompts only"
+        )
     if served_name:
         names.insert(0, served_name)
     known = {f.name for f in fields(GatewayConfig)} - {"model_names", "api_keys"}
