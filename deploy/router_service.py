@@ -659,6 +659,9 @@ class RouterService:
         )
         if why is not None:
             self.metrics.observe_admission_rejected()
+            if wst is not None and (entry := self._open_wf.get(wst.workflow_id)) is not None:
+                # Active now, past its deadline: the sweep counts the run as a miss.
+                entry[1] = now
             raise Unavailable(why.message, None, why.retry_after_s)
 
     def _place(
