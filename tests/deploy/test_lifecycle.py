@@ -162,3 +162,23 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path: Path) -
             proc.kill()
         out = proc.communicate()[0]
     assert "draining" in out
+
+
+def test_openai_engines_are_named_by_url_not_position() -> None:
+    from wasma.deploy.build import openai_engine_names
+
+    pods = [f"http://vllm-{i}.vllm.llm.svc.cluster.local:8000" for i in range(3)]
+    assert openai_engine_names(pods) == ["vllm-0", "vllm-1", "vllm-2"]  # the pods' names
+    # A URL added in front renames none of the others.
+    grown = ["http://vllm-extra.llm.svc.cluster.local:8000", *pods]
+    assert openai_engine_names(grown)[1:] == ["vllm-0", "vllm-1", "vllm-2"]
+    assert openai_engine_names(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]) == [
+        "127.0.0.1:8001",
+        "127.0.0.1:8002",
+    ]
+    # The same first label on two hosts, and a URL listed twice, stay distinct.
+    assert openai_engine_names(["http://a.x:1", "http://a.y:1", "http://a.y:1"]) == [
+        "a.x:1",
+        "a.y:1",
+        "a.y:1#2",
+    ]
