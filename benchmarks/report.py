@@ -41,6 +41,10 @@ def table(results: dict[str, Any], include_sweep: bool = False) -> str:
     return "\n".join(lines)
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
 def plot_results(results: dict[str, Any], out: Path) -> list[Path]:
     """goodput.png and p95_latency.png: one panel per trace, one line per policy."""
     import matplotlib
@@ -61,9 +65,23 @@ def plot_results(results: dict[str, Any], out: Path) -> list[Path]:
             for r in runs:
                 if r["trace"] == trace:
                     series[r["policy"]].append((r["rate_scale"], r[metric]))
-            for pol, pts in sorted(series.items()):
+            for i, (pol, pts) in enumerate(sorted(series.items())):
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+                # Policies often coincide at low load: each gets its own marker, dash and
+                # colour, and wasma is drawn last and thicker, so every line stays visible.
+                own = pol == "wasma"
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker=_MARKERS[i % len(_MARKERS)],
+                    linestyle="-" if own else _DASHES[i % len(_DASHES)],
+                    linewidth=2.4 if own else 1.3,
+                    markersize=6 if own else 5,
+                    color="black" if own else plt.get_cmap("tab10")(i % 10),
+                    alpha=1.0 if own else 0.85,
+                    zorder=3 if own else 2,
+                    label=pol,
+                )
             ax.set_title(trace)
             ax.set_xlabel("arrival-rate scale")
             ax.set_ylabel(label)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.cost_feed import CostFeed
+from wasma.deploy.deadline_shedding import deadline_refusal, default_limit
 from wasma.deploy.live_request import LiveRequest
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.deploy.router_config import RouterConfig
@@ -20,6 +21,7 @@ from wasma.deploy.service_types import BadRequest, Overloaded, ServiceRequest, U
 from wasma.deploy.workflow_api import scoped
 from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatch, Dispatcher, HeldQueue
 from wasma.scheduler.policy import NoHealthyEngine, RequestInfo
+from wasma.scheduler.workflows import WorkflowState
 
 
 class Admission:
@@ -40,6 +42,13 @@ class Admission:
         self.costs = costs
         self.now = now
         self.max_model_len = max_model_len
+        limit = config.max_outstanding
+        # None: what the engines can run and queue, not a fixed number.
+        self.max_outstanding = (
+            limit
+            if limit is not None
+            else default_limit(len(dispatch.ctx.state.loads), dispatch.ctx.profile)
+        )
         self.block_size = dispatch.ctx.block_size
         # Requests the policy holds at the router: the future that wakes each.
         self._held: HeldQueue[asyncio.Future[None]] = HeldQueue()
@@ -50,7 +59,7 @@ class Admission:
     def prepare(self, req: ServiceRequest) -> RequestInfo:
         """Check `req` and enter it in its workflow; what the policy places."""
         held = len(self._live) + self.held_now
-        if held >= self.config.max_outstanding:
+        if held >= self.max_outstanding:
             self.metrics.observe_admission_rejected()
             raise Overloaded(
                 f"the router holds {held} requests, its limit; retry shortly",
@@ -79,6 +88,7 @@ class Admission:
         if (why := self.dispatch.parent_error(wkey, node_id, ident.parents)) is not None:
             raise BadRequest(why, "x-wasma-parents")
         seen = self.dispatch.ctx.workflows.get(wkey)
+        self._shed_by_deadline(req, seen if seen is None or seen.finished_s is None else None, now)
         wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
         if ident.workflow_id is not None and (seen is None or seen.finished_s is not None):
             self.metrics.observe_workflow_started(wst.app)
@@ -114,6 +124,29 @@ class Admission:
         self.costs.at_dispatch(live, placement)
         self._live[req.request_id] = live
         return live, decision
+
+    def _shed_by_deadline(self, req: ServiceRequest, wst: WorkflowState | None, now: float) -> None:
+        """503 + Retry-After now for a request whose workflow's deadline is out of reach
+        even on the least loaded engine (deploy/deadline_shedding.py), rather than a wait
+        that ends past it; before a new workflow is entered, so a refusal leaves nothing."""
+        if not self.config.shed_past_deadline:
+            return
+        if wst is not None:
+            deadline = wst.deadline_s
+        elif req.identity.deadline_s is not None:
+            deadline = now + req.identity.deadline_s
+        else:
+            return
+        ctx = self.dispatch.ctx
+        why = deadline_refusal(
+            now, deadline, ctx.state.loads, ctx.profile, len(req.prompt_token_ids), req.max_tokens
+        )
+        if why is not None:
+            self.metrics.observe_admission_rejected()
+            if wst is not None:
+                # Active now, past its deadline: the sweep counts the run as a miss.
+                self.dispatch.touch(wst.workflow_id, now)
+            raise Unavailable(why.message, None, why.retry_after_s)
 
     async def admit(self, req: ServiceRequest) -> tuple[LiveRequest, Dispatch]:
         """Place `req`, waiting at the router while the policy holds it.

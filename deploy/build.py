@@ -8,11 +8,13 @@ runs because they live on its event loop.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from wasma.core.profile import Profile, load_profile
 from wasma.deploy.journal import WorkflowJournal
@@ -72,7 +74,7 @@ class ServiceConfig:
     model: str | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
     sim_speed: float = 1.0
-    max_outstanding: int = 8192
+    max_outstanding: int | None = None  # None: sized from the engines (deadline_shedding.py)
     # openai engines: where each server publishes KV events (tcp://host:port), by index.
     kv_events: tuple[str, ...] = ()
     engine_options: Mapping[str, Any] = field(default_factory=dict)
@@ -108,6 +110,35 @@ def resolve_profile(cfg: ServiceConfig) -> Profile:
     return load_profile(name)
 
 
+def openai_engine_names(urls: Sequence[str]) -> list[str]:
+    """Names of `openai:` engines from their URLs, not their position, so a URL added to
+    the list renames no other engine (metrics, logs, `x-wasma-engine`): the host's first
+    DNS label where it is unique (`vllm-0.vllm.llm.svc...` -> `vllm-0`, a StatefulSet
+    pod's own name), else host:port, numbered only if a URL is listed twice."""
+    parts = [urlsplit(u) for u in urls]
+    labels = [
+        "" if not p.hostname or _is_ip(p.hostname) else p.hostname.split(".")[0] for p in parts
+    ]
+    names = [
+        label if label and labels.count(label) == 1 else (p.netloc or url)
+        for label, p, url in zip(labels, parts, urls, strict=True)
+    ]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClient]:
     spec = cfg.engines
     if spec.kind == "sim":
@@ -117,9 +148,11 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
     if spec.kind == "openai":
         from wasma.engines.openai_engine import OpenAIEngine
 
+        names = openai_engine_names(spec.urls)
+
         async def connect(i: int, url: str) -> EngineClient:
             kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
-            eng = OpenAIEngine(f"vllm{i}", url, kv_events_endpoint=kv, **dict(cfg.engine_options))
+            eng = OpenAIEngine(names[i], url, kv_events_endpoint=kv, **dict(cfg.engine_options))
             await eng.start()
             return eng
 

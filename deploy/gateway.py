@@ -83,6 +83,9 @@ class GatewayConfig:
     # so probes and scrapers need no API key and the internet never sees them.
     admin_port: int | None = None
     extra_model_names: tuple[str, ...] = field(default=())
+    # No tokenizer, on purpose: prompts must be token ids (`wasma serve` refuses to start
+    # an openai: gateway with neither this nor --model).
+    token_ids_only: bool = False
 
     @property
     def model(self) -> str:

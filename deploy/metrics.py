@@ -348,6 +348,8 @@ class WasmaMetrics:
             "wasma_output_tokens_total",
             "wasma_engine_preemptions_total",
             "wasma_engine_faults_total",
+            "wasma_retention_leases_total",
+            "wasma_retention_released_total",
         ):
             self._counters[name].labels(engine)
 

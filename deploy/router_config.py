@@ -14,8 +14,12 @@ from wasma.scheduler.calibration import CalibrationConfig
 class RouterConfig:
     policy: str = "wasma"
     params: Mapping[str, Any] = field(default_factory=dict)
-    # Requests live or held at once; one more is refused with 429.
-    max_outstanding: int = 8192
+    # Requests live or held at once; one more is refused with 429. None: sized from the
+    # engines (deploy/deadline_shedding.py's default_limit), not a fixed number.
+    max_outstanding: int | None = None
+    # Refuse at once (503 + Retry-After) a request whose workflow's deadline is out of
+    # reach even on the least loaded engine, rather than hold it to finish late.
+    shed_past_deadline: bool = True
     stats_interval_s: float = 0.25  # engine health and load polls
     # A live workflow (no registered DAG) with nothing open this long is over.
     idle_workflow_s: float = 60.0

@@ -224,8 +224,16 @@ def gateway_setup(
     elif model_dir:
         tokenizer = HFTokenizer(model_dir)
         names += [model_dir, Path(model_dir).name]
-    else:
+    elif gw.get("token_ids_only"):
         tokenizer = TokenIdsOnly()
+    else:
+        # Without the served model's tokenizer every text request would be a 400: say so
+        # now, not once per request.
+        raise ConfigError(
+            "--engines openai: the gateway needs the served model's tokenizer: give --model "
+            "DIR (a directory with its tokenizer files; the chart's model.path), or set "
+            "--config gateway.token_ids_only: true to accept token-id prompts only"
+        )
     if served_name:
         names.insert(0, served_name)
     known = {f.name for f in fields(GatewayConfig)} - {"model_names", "api_keys"}
@@ -279,7 +287,7 @@ def ray_router_factory(cfg: ServiceConfig) -> Any:
         # bounds requests in flight, so set it above the router's own admission limit.
         handle = actor_cls.options(
             name="wasma-router",
-            max_concurrency=max(cfg.max_outstanding * 2, 1000),
+            max_concurrency=max((cfg.max_outstanding or 8192) * 2, 1000),
             num_cpus=0,
             get_if_exists=False,
             # Ray brings a dead router back; it replays the journal (registered DAGs and
@@ -332,7 +340,7 @@ def serve_main(args: argparse.Namespace) -> int:
         model=args.model,
         params=file_cfg.get("params", {}),
         sim_speed=float(getattr(args, "sim_speed", None) or file_cfg.get("sim_speed", 1.0)),
-        max_outstanding=int(file_cfg.get("max_outstanding", 8192)),
+        max_outstanding=file_cfg.get("max_outstanding"),
         kv_events=kv_events,
         kv_transfer=kv_transfer,
         engine_options=file_cfg.get("engine_options", {}),

@@ -223,6 +223,12 @@ class Dispatcher:
         entry = self._open.get(key)
         return wst.workflow is not None or (entry is not None and entry[0] > 0)
 
+    def touch(self, key: str, now: float) -> None:
+        """Activity in live workflow `key` without a request going out (one refused)."""
+        entry = self._open.get(key)
+        if entry is not None:
+            entry[1] = now
+
     def is_live(self, key: str) -> bool:
         return key in self._open
 

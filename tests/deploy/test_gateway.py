@@ -138,7 +138,7 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI) 
         "wasma_request_e2e_seconds_count",
         "wasma_placement_decisions_total",
         "wasma_engine_outstanding_requests",
-        'wasma_http_requests_total{code="200"}',
+        'wasma_http_requests_total{code="200",handler="/v1/completions"}',
     ):
         assert name in text
     # The router publishes how its estimates compare with what requests took (0 would

@@ -18,6 +18,7 @@ from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.lifecycle import Lifecycle, LifecycleConfig
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
+from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port, local_router_factory
 from wasma.deploy.tokenizer import ByteTokenizer
@@ -34,7 +35,7 @@ def _sim_gateway(port: int | None = None) -> ServerThread:
 
     async def factory() -> RouterClient:
         service = RouterService(
-            [SimEngine("s0", profile, speed=50.0)], profile, policy="least_loaded"
+            [SimEngine("s0", profile, speed=50.0)], profile, RouterConfig(policy="least_loaded")
         )
         await service.start()
         return LocalRouterClient(service)
@@ -162,3 +163,23 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path: Path) -
             proc.kill()
         out = proc.communicate()[0]
     assert "draining" in out
+
+
+def test_openai_engines_are_named_by_url_not_position() -> None:
+    from wasma.deploy.build import openai_engine_names
+
+    pods = [f"http://vllm-{i}.vllm.llm.svc.cluster.local:8000" for i in range(3)]
+    assert openai_engine_names(pods) == ["vllm-0", "vllm-1", "vllm-2"]  # the pods' names
+    # A URL added in front renames none of the others.
+    grown = ["http://vllm-extra.llm.svc.cluster.local:8000", *pods]
+    assert openai_engine_names(grown)[1:] == ["vllm-0", "vllm-1", "vllm-2"]
+    assert openai_engine_names(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]) == [
+        "127.0.0.1:8001",
+        "127.0.0.1:8002",
+    ]
+    # The same first label on two hosts, and a URL listed twice, stay distinct.
+    assert openai_engine_names(["http://a.x:1", "http://a.y:1", "http://a.y:1"]) == [
+        "a.x:1",
+        "a.y:1",
+        "a.y:1#2",
+    ]

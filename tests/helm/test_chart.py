@@ -106,13 +106,16 @@ def gateway_container(objects: list[Obj]) -> Obj:
 
 
 def flags(args: list[str]) -> dict[str, str]:
-    """`serve --a x --b y` → {"--a": "x", "--b": "y"}; every flag of serve takes a value."""
+    """`serve --a x --b y` → {"--a": "x", "--b": "y"}; every flag of serve takes a value
+    but the switches, which map to ""."""
     assert args[0] == "serve"
-    rest = args[1:]
+    switches = {"--router-in-process"}
+    rest = [a for a in args[1:] if a not in switches]
     assert len(rest) % 2 == 0, rest
     pairs = dict(zip(rest[::2], rest[1::2], strict=True))
+    pairs.update({a: "" for a in args[1:] if a in switches})
     assert all(flag.startswith("--") for flag in pairs), rest
-    assert len(pairs) == len(rest) // 2, "a flag is repeated"
+    assert len(pairs) == len(rest) // 2 + len(set(args) & switches), "a flag is repeated"
     return pairs
 
 
@@ -214,8 +217,12 @@ def test_openai_mode_flags_and_engine_urls() -> None:
     )
     assert got["--policy"] == "prefix_aware"
     assert got["--api-key-file"] == "/var/run/secrets/wasma/api-keys"
-    assert "--model" not in got and "--address" not in got
+    # The tokenizer the gateway needs, and no local Ray in gateway mode.
+    assert got["--model"] == "/models/llama-3.1-8b-instruct"
+    assert "--router-in-process" in got and "--address" not in got
     assert "RayCluster" not in kinds(objects)
+    gateway = gateway_container(objects)
+    assert any(m["mountPath"] == "/models" for m in gateway["volumeMounts"])
 
 
 def test_policy_params_reach_the_config_file() -> None:
@@ -406,7 +413,8 @@ def test_schema_refuses_root_and_unknown_keys() -> None:
         {"policy": {"name": "fastest"}},
         {"gatway": {"port": 8000}},
         {"openai": {"urls": ["vllm-0:8000"]}},  # a URL needs its scheme
-        {"ray": {"enabled": True}},  # ray mode without model.path
+        # ray mode without model.path
+        {"ray": {"enabled": True}, "model": {"path": "", "mountPath": "/models", "volume": {}}},
     ]
     with helm.Chart.load(CHART) as chart:
         for bad in bad_values:
@@ -420,10 +428,45 @@ def test_openai_mode_without_engines_fails_clearly() -> None:
         render(None)
 
 
-def test_probes_hit_health() -> None:
+def test_liveness_and_readiness_are_split() -> None:
     gateway = gateway_container(example("openai.yaml"))
-    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-        assert gateway[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # Liveness is the process only: an engine rollout does not restart the gateways.
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert gateway["startupProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+
+
+def test_shutdown_is_sized_for_long_streams() -> None:
+    objects = example("openai.yaml")
+    pod = one(objects, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    gateway = gateway_container(objects)
+    assert gateway["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    config = yaml.safe_load(one(objects, "ConfigMap", "-config")["data"]["config.yaml"])
+    drain = config["lifecycle"]
+    assert drain == {"drain_delay_s": 5, "drain_timeout_s": 600}
+    # Kubernetes waits for preStop, the drain's delay and its streams, plus slack.
+    assert pod["terminationGracePeriodSeconds"] == 5 + 5 + 600 + 10
+    values = load_values(CHART / "examples" / "openai.yaml")
+    values["gateway"] = {"drain": {"delaySeconds": 2, "timeoutSeconds": 3600}}
+    pod = one(render(values), "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 5 + 2 + 3600 + 10
+    # `wasma serve` takes the lifecycle section the chart writes.
+    from wasma.deploy.serve import load_config_file
+
+    path = Path(tempfile.mkdtemp()) / "config.yaml"
+    path.write_text(one(objects, "ConfigMap", "-config")["data"]["config.yaml"])
+    assert load_config_file(str(path))["lifecycle"] == drain
+
+
+def test_monitoring_reaches_across_namespaces_and_carries_the_release_label() -> None:
+    objects = example("openai.yaml")
+    policy = one(objects, "NetworkPolicy")
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule.get("from", [])]
+    assert {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    } in peers
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert one(objects, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
 def test_ray_engines_get_their_gpus() -> None:

@@ -107,6 +107,9 @@ app.kubernetes.io/component: engine
 {{- if .Values.ray.enabled }}
 - --address
 - {{ .Values.ray.address | quote }}
+{{- else }}
+{{- /* Gateway mode: the router runs in the gateway's process; no local Ray is started. */}}
+- --router-in-process
 {{- end }}
 {{- if and .Values.apiKeys.existingSecret .Values.apiKeys.mountAsFile }}
 - --api-key-file
@@ -161,6 +164,12 @@ app.kubernetes.io/component: engine
   startupProbe:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if .Values.gateway.preStopSleepSeconds }}
+  lifecycle:
+    preStop:
+      exec:
+        command: ["sleep", {{ .Values.gateway.preStopSleepSeconds | quote }}]
+  {{- end }}
   resources:
     {{- toYaml .Values.gateway.resources | nindent 4 }}
   securityContext:
@@ -207,4 +216,10 @@ app.kubernetes.io/component: engine
       - key: {{ .Values.apiKeys.secretKey | quote }}
         path: {{ base (include "wasma.apiKeyPath" .) }}
 {{- end }}
+{{- end }}
+
+{{/* Seconds Kubernetes waits after SIGTERM: preStop, then the drain's delay and timeout. */}}
+{{- define "wasma.terminationGracePeriod" -}}
+{{- $g := .Values.gateway -}}
+{{- add (int $g.preStopSleepSeconds) (int $g.drain.delaySeconds) (int $g.drain.timeoutSeconds) 10 -}}
 {{- end }}
