@@ -16,7 +16,6 @@ Serve replica id; the set follows what Serve offers each decision.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -28,15 +27,7 @@ from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from wasma.scheduler import (
-    ClusterState,
-    PolicyContext,
-    PrefixIndex,
-    RequestInfo,
-    Router,
-    WorkflowRegistry,
-    default_registry,
-)
+from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherConfig
 
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are
 # ever in flight, so an answer's headers always find theirs.
@@ -101,11 +92,12 @@ class SchedulingState:
         self.block_size = block_size or prof.block_size
         self.tokenizer: Tokenizer = HFTokenizer(model) if model else ByteTokenizer()
         self.policy_name = policy
-        self.ctx = PolicyContext(
-            ClusterState([]), PrefixIndex([]), WorkflowRegistry(), prof, params=params or {}
+        # The one scheduling core every front end runs; replicas join as Serve offers them.
+        self.dispatch = Dispatcher(
+            [], prof, DispatcherConfig(policy=policy, params=dict(params or {}))
         )
-        self._registry = default_registry()
-        self.router = Router(self.ctx, self._registry.create(policy, self.ctx), 100_000)
+        self.ctx = self.dispatch.ctx
+        self.router = self.dispatch.router
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._by_internal: dict[str, str] = {}
         self._last_seen: dict[str, float] = {}
@@ -125,7 +117,7 @@ class SchedulingState:
         if added:
             # Policies size their per-engine state when built: rebuild on a new replica
             # (the event-fed state, loads and workflows, lives in the context and stays).
-            self.router.policy = self._registry.create(self.policy_name, self.ctx)
+            self.router.policy = self.dispatch.registry.create(self.policy_name, self.ctx)
         offered = set(candidates)
         for slot, load in enumerate(state.loads):
             state.set_healthy(slot, load.name in offered)
@@ -158,37 +150,30 @@ class SchedulingState:
         ids = self._tokens(prompt)
         self._sync_replicas(candidates)
         now = self.now()
-        registry = self.ctx.workflows
         if ident.workflow_id is None:
-            wkey, node = f"~{request_id}", "0"
+            wkey, node = f"{ANONYMOUS_PREFIX}{request_id}", "0"
         else:
             wkey, node = ident.workflow_id, ident.node_id or request_id
-        wst = registry.get(wkey)
-        if wst is not None and wst.finished_s is not None:
-            registry.finished.pop(wkey, None)
-            wst = None
-        if wst is None:
-            deadline = ident.deadline_s if ident.deadline_s is not None else math.inf
-            wst = registry.ensure(wkey, ident.app or "default", now, deadline)
+        wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now, track=False)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
         hashes = hash_token_blocks(ids, self.block_size)
-        info = RequestInfo(
-            request_id=internal_id,
-            workflow_id=wkey,
-            node_id=node,
-            app=wst.app,
-            prompt_tokens=len(ids),
-            max_tokens=int(max_tokens) if isinstance(max_tokens, int) else 256,
-            block_hashes=hashes,
-            arrival_s=now,
-            deadline_s=wst.deadline_s,
-            parents=ident.parents,
+        info = Dispatcher.request_info(
+            internal_id,
+            wkey,
+            node,
+            wst,
+            len(ids),
+            int(max_tokens) if isinstance(max_tokens, int) else 256,
+            hashes,
+            now,
+            ident.parents,
         )
-        placement = self.router.route(info, now, force=True)
+        # Serve has already chosen to send the request now: it is never held here.
+        placement = self.dispatch.place(info, now, force=True).placement
         replica = self.ctx.state.loads[placement.engine].name
         if hashes:
             # The replica prefills these blocks and vLLM's prefix cache keeps them.
-            self.router.on_kv_event(BlockStored(replica, tuple(hashes), None))
+            self.dispatch.on_kv_event(BlockStored(replica, tuple(hashes), None))
         decision = Decision(replica, placement.kind.value, wkey, node, request_id)
         self._remember(request_id, internal_id, decision)
         self._last_seen[wkey] = now
@@ -209,12 +194,11 @@ class SchedulingState:
             self._decisions.popitem(last=False)
 
     def _sweep(self, now: float) -> None:
-        registry = self.ctx.workflows
         for wkey, last in list(self._last_seen.items()):
             if now - last < IDLE_WORKFLOW_S:
                 break  # oldest first: the rest are newer
             del self._last_seen[wkey]
-            registry.close(wkey, last)
+            self.dispatch.close_live(wkey, last)
 
     def placement_of(self, request_id: str) -> tuple[str, str] | None:
         """(replica id, placement kind) of a request this state placed."""
@@ -230,8 +214,9 @@ class SchedulingState:
         d = self._decisions.get(request_id)
         if d is None:
             return
-        self.router.on_first_token(internal_id)
-        self.router.on_finish(internal_id, d.workflow_id, d.node_id, self.now())
+        self.dispatch.on_first_token(internal_id)
+        self.dispatch.finish(internal_id, d.workflow_id, d.node_id, self.now())
+        self.dispatch.release(d.workflow_id, self.now())
         self._last_seen.pop(d.workflow_id, None)
         self._last_seen[d.workflow_id] = self.now()
 

@@ -10,6 +10,9 @@ an arrow). The floors, bottom up:
     benchmarks                the tools users run: bench, replay, traces, reports
     deploy, ray_serve         CLI, gateway, service, Ray Serve front end
     benchmarks.studies        one-off experiments (not installed)
+
+The command line (`deploy/cli.py`) is the composition root: it picks the front end a
+`wasma serve` runs, so it alone may also import `ray_serve`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+# Modules allowed more than their floor, and why (see the docstring).
+EXTRA: dict[str, set[str]] = {"deploy/cli.py": {"ray_serve"}}
+
+
 def _modules() -> list[tuple[str, Path]]:
     out = []
     for pkg in ("core", "transfer", "engines", "scheduler", "benchmarks", "deploy", "ray_serve"):
@@ -91,7 +98,8 @@ def test_no_import_runs_back_up(floor: str) -> None:
             continue
         for line, module in _imports(path):
             target = _package_of(module)
-            if target is None or target == floor or target in ALLOWED[floor]:
+            extra = EXTRA.get(path.relative_to(REPO).as_posix(), set())
+            if target is None or target == floor or target in ALLOWED[floor] | extra:
                 continue
             bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert not bad, "imports that run back up:\n" + "\n".join(bad)
