@@ -60,9 +60,7 @@ def test_shared_blocks_share_kv_exactly() -> None:
 def test_cli_import_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wasma_trace = tmp_path / "mc.jsonl"
     src = str(SLICE)
-    assert (
-        main(["trace", "import", "--format", "mooncake", src, "-o", str(wasma_trace)]) == 0
-    )
+    assert main(["trace", "import", "--format", "mooncake", src, "-o", str(wasma_trace)]) == 0
     wfs = load_trace(wasma_trace)
     assert len(wfs) == 200 and all(w.deadline_s > 0 for w in wfs)
     back = tmp_path / "back.jsonl"
