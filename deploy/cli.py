@@ -213,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm engines: run the wasma KV connector so the policy can move a prefix's KV "
         "between engines instead of recomputing it",
     )
+    sv.add_argument(
+        "--kv-offloading-size",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="vllm engines: a CPU KV tier of this many GiB each (vLLM's own offloading; "
+        "the router reads the tier from KV events of medium CPU). Needs a GPU build of vLLM",
+    )
     sv.add_argument("--served-model-name", default=None)
 
     pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)

