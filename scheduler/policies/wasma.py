@@ -324,7 +324,9 @@ class Wasma(Policy):
         hashes = req.block_hashes
         real = ctx.index.match(hashes)
         tier: list[int] | None = None
-        if p["cpu_tier"] and prof.cpu_kv_blocks > 0 and len(ctx.cpu_index):
+        # Any engine reporting CPU-tier blocks (vLLM's offloading, or the simulator's
+        # tier) has one; loads are priced with the profile's PCIe figures.
+        if p["cpu_tier"] and len(ctx.cpu_index):
             tier = tiered_match(ctx.index, ctx.cpu_index, hashes)
         prefetch = bool(p["prefetch"])
         max_hit = (req.prompt_tokens - 1) // bs  # vLLM computes the last prompt token

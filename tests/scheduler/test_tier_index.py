@@ -23,7 +23,7 @@ from wasma.scheduler.workflows import WorkflowRegistry
 BS = 16
 
 
-def _ctx(n: int = 2, cpu_blocks: int = 100_000, params: dict[str, object] | None = None):
+def _ctx(n: int = 2, cpu_blocks: int = 0, params: dict[str, object] | None = None):
     prof = dataclasses.replace(load_profile("llama3-8b-h100"), cpu_kv_blocks=cpu_blocks)
     names = [f"e{i}" for i in range(n)]
     return PolicyContext(
