@@ -12,13 +12,13 @@ import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from wasma.core.profile import load_profile
+from wasma.core.profile import Profile, load_profile
 from wasma.scheduler.trace import load_trace
 
 CAPACITY_ATTAINMENT = 0.9
@@ -37,6 +37,17 @@ class RunSpec:
     dags: bool = True
     # The machines' network (a topology preset): engines fill its GPUs 8 to a node.
     topology: str = DEFAULT_TOPOLOGY
+    # A CPU KV tier of this many GiB on every engine (vLLM's --kv-offloading-size); 0:
+    # none (the profile's own `cpu_kv_blocks`, if it sets one, stays).
+    cpu_tier_gib: float = 0.0
+
+
+def with_cpu_tier(profile: Profile, gib: float) -> Profile:
+    """`profile` with a CPU KV tier of `gib` GiB per engine."""
+    if gib <= 0:
+        return profile
+    block_bytes = profile.block_size * profile.kv_bytes_per_token
+    return replace(profile, cpu_kv_blocks=max(1, int(gib * 2**30) // block_bytes))
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
@@ -44,7 +55,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     from wasma.benchmarks.metrics import summarize
     from wasma.benchmarks.sim_replay import SimReplay, topology_pricer
 
-    profile = load_profile(spec.profile)
+    profile = with_cpu_tier(load_profile(spec.profile), spec.cpu_tier_gib)
     workflows = load_trace(spec.trace)
     run = SimReplay(
         workflows,
@@ -66,6 +77,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         row["dags"] = False
     if spec.topology != DEFAULT_TOPOLOGY:
         row["topology"] = spec.topology
+    if spec.cpu_tier_gib > 0:
+        row["cpu_tier_gib"] = spec.cpu_tier_gib
     return row
 
 
@@ -173,6 +186,7 @@ def sweep_capacity(
     on_row: Callable[[dict[str, Any]], None],
     dags: bool = True,
     topology: str = DEFAULT_TOPOLOGY,
+    cpu_tier_gib: float = 0.0,
 ) -> tuple[dict[tuple[str, str], float], list[dict[str, Any]]]:
     """Capacity of each (trace, policy): the searches run side by side, each submitting
     its next rate as soon as its last result is in."""
@@ -183,7 +197,9 @@ def sweep_capacity(
     def launch(s: CapacitySearch) -> None:
         assert s.next_scale is not None
         pp = dict(params.get(s.policy, {}))
-        spec = RunSpec(s.trace, s.policy, s.next_scale, engines, profile, pp, dags, topology)
+        spec = RunSpec(
+            s.trace, s.policy, s.next_scale, engines, profile, pp, dags, topology, cpu_tier_gib
+        )
         inflight[runner.submit(spec)] = s
 
     for s in searches.values():
@@ -216,6 +232,7 @@ def bench(
     show_progress: bool = True,
     dags: bool = True,
     topology: str = DEFAULT_TOPOLOGY,
+    cpu_tier_gib: float = 0.0,
 ) -> dict[str, Any]:
     """Run the grid (and sweeps), write results.json and plots; return the results."""
     params = params or {}
@@ -224,7 +241,7 @@ def bench(
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, float]] = {}
     grid = [
-        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})), dags, topology)
+        RunSpec(t, p, r, engines, profile, dict(params.get(p, {})), dags, topology, cpu_tier_gib)
         for t in traces
         for p in policies
         for r in (rates or [])
@@ -252,6 +269,7 @@ def bench(
                 tick,
                 dags,
                 topology,
+                cpu_tier_gib,
             )
             runs.extend(rows)
             for (trace, policy), scale in found.items():

@@ -52,6 +52,7 @@ def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[s
     lat = [w.latency_s for w in wfs]
     prompt = sum(r.prompt_tokens for r in reqs)
     cached = sum(r.cached_tokens for r in reqs)
+    cpu_hit = sum(r.cpu_hit_tokens for r in reqs)
     return {
         "trace": trace,
         "policy": run.policy,
@@ -69,6 +70,11 @@ def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[s
         "p95_request_s": percentile([r.finish_s - r.submit_s for r in reqs], 95),
         "p95_ttft_s": percentile([r.first_token_s - r.submit_s for r in reqs], 95),
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        # The same hits by KV tier: already in GPU memory, or loaded from the CPU tier.
+        "prefix_hits_by_tier": {
+            "gpu": (cached - cpu_hit) / prompt if prompt else 0.0,
+            "cpu": cpu_hit / prompt if prompt else 0.0,
+        },
         "recomputed_prompt_tokens": int(sum(r.prefill_tokens_computed for r in reqs)),
         "transferred_bytes": int(sum(r.transferred_bytes for r in reqs)),
         "decision_p99_us": percentile(run.decision_us, 99),

@@ -39,6 +39,7 @@ class RequestRecord:
     prefill_tokens_computed: int
     preemptions: int
     transferred_bytes: int
+    cpu_hit_tokens: int = 0  # of `cached_tokens`, those loaded from the CPU tier
 
 
 @dataclass(slots=True)
@@ -255,6 +256,7 @@ class SimReplay:
             self.held_total += 1
             return
         req = SimRequest(rid, full, prompt_tokens, output, priority=placement.priority)
+        req.prefetch = placement.prefetch
         for key in decision.release:
             self._end_retention(key, now)
         if placement.retain:
@@ -307,6 +309,7 @@ class SimReplay:
                 req.prefill_tokens_computed,
                 req.num_preemptions,
                 moved,
+                req.num_cpu_hit_tokens if req.num_cached_tokens > 0 else 0,
             )
         )
         ready = self.dispatch.finish(req.request_id, wf.workflow_id, node_id, now).ready

@@ -17,6 +17,9 @@ class BlockStored:
     engine: str
     block_hashes: tuple[int, ...]
     parent_hash: int | None
+    # Where the blocks live (vLLM's `medium`): None or "GPU" for the engine's own KV
+    # pool, "CPU" for its offloading tier.
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,7 @@ class BlockRemoved:
 
     engine: str
     block_hashes: tuple[int, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,18 @@ class Profile:
     # 0.5 = 1.5x the step time beside one busy neighbour. The simulator runs every
     # engine on its own device; the policy prices it for engines that share a host.
     host_contention: float = 0.0
+    # A CPU KV tier below the GPU pool (vLLM's `--kv-offloading-size`; engines/sim/
+    # cpu_tier.py): its size in GPU-sized blocks (0 = none), the PCIe bandwidth each way
+    # and the fixed cost of one load (the connector's round trip through the scheduler).
+    cpu_kv_blocks: int = 0
+    cpu_h2d_bytes_per_s: float = 40e9
+    cpu_d2h_bytes_per_s: float = 40e9
+    cpu_load_latency_s: float = 0.0005
+
+    def cpu_load_s(self, num_blocks: int) -> float:
+        """Time to load `num_blocks` blocks from the CPU tier into GPU memory."""
+        nbytes = num_blocks * self.block_size * self.kv_bytes_per_token
+        return self.cpu_load_latency_s + nbytes / self.cpu_h2d_bytes_per_s
 
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         """Time to prefill `tokens` (of which `cached` are already in KV) alone."""
@@ -99,6 +111,9 @@ _INT_FIELDS = (
 )
 
 
+_CPU_FLOATS = ("cpu_h2d_bytes_per_s", "cpu_d2h_bytes_per_s", "cpu_load_latency_s")
+
+
 def profile_from_dict(data: Any, where: str) -> Profile:
     if not isinstance(data, dict):
         raise ProfileError(f"{where}: a profile must be a mapping")
@@ -106,7 +121,7 @@ def profile_from_dict(data: Any, where: str) -> Profile:
         if key not in data:
             raise ProfileError(f"{where}: missing field {key!r}")
     ints: dict[str, int] = {}
-    for key in (*_INT_FIELDS, "long_prefill_token_threshold", "vocab_size"):
+    for key in (*_INT_FIELDS, "long_prefill_token_threshold", "vocab_size", "cpu_kv_blocks"):
         if key not in data:
             continue
         val = data[key]
@@ -123,6 +138,8 @@ def profile_from_dict(data: Any, where: str) -> Profile:
         "long_prefill_token_threshold",
         "vocab_size",
         "host_contention",
+        "cpu_kv_blocks",
+        *_CPU_FLOATS,
         *_INT_FIELDS,
     }
     if set(data) - known:
@@ -155,11 +172,19 @@ def profile_from_dict(data: Any, where: str) -> Profile:
         raise ProfileError(
             f"{where}: host_contention must be a number in [0, 16], got {contention!r}"
         )
+    cpu: dict[str, float] = {}
+    for key in _CPU_FLOATS:
+        if key in data:
+            val = data[key]
+            if not _finite_number(val) or val < 0 or (key != "cpu_load_latency_s" and val == 0):
+                raise ProfileError(f"{where}: {key} must be a finite number > 0, got {val!r}")
+            cpu[key] = float(val)
     return Profile(
         name=str(data["name"]),
         step=StepModel(**coeffs),
         sources=tuple(str(s) for s in sources),
         host_contention=float(contention),
+        **cpu,  # type: ignore[arg-type]
         **ints,
     )
 

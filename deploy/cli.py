@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", action="store_true", help="find each policy's capacity")
     b.add_argument("--out", required=True, type=_out_dir)
     b.add_argument("--workers", type=_positive_int, default=None)
+    b.add_argument(
+        "--cpu-tier-gib",
+        type=_positive_float,
+        default=None,
+        help="give every engine a CPU KV tier of this many GiB (vLLM's --kv-offloading-size)",
+    )
     b.add_argument("--address", default=None, help="Ray address: run the grid as Ray tasks")
     b.add_argument(
         "--topology",
@@ -207,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vllm engines: run the wasma KV connector so the policy can move a prefix's KV "
         "between engines instead of recomputing it",
+    )
+    sv.add_argument(
+        "--kv-offloading-size",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="vllm engines: a CPU KV tier of this many GiB each (vLLM's own offloading; "
+        "the router reads the tier from KV events of medium CPU). Needs a GPU build of vLLM",
     )
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument(
@@ -357,6 +371,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         params=params,
         dags=not args.no_dags,
         topology=topology,
+        cpu_tier_gib=args.cpu_tier_gib or 0.0,
     )
     print(table(results))
     print(f"results: {Path(args.out) / 'results.json'}; plots: goodput.png, p95_latency.png")

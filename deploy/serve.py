@@ -343,7 +343,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_outstanding=file_cfg.get("max_outstanding"),
         kv_events=kv_events,
         kv_transfer=kv_transfer,
-        engine_options=file_cfg.get("engine_options", {}),
+        engine_options=_offloading(args, file_cfg.get("engine_options", {})),
         retain_lease_s=_lease(file_cfg.get("retain_lease_s", DEFAULT_RETAIN_S)),
         **_reliability(file_cfg.get("reliability") or {}),
     )
@@ -432,6 +432,26 @@ def _count(value: Any, key: str) -> int:
     if not _int_in(value, 0, math.inf):
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
     return int(value)
+
+
+def _offloading(args: argparse.Namespace, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine options with `--kv-offloading-size` (vLLM's CPU KV tier) applied."""
+    gib = getattr(args, "kv_offloading_size", None)
+    out = dict(options)
+    if gib is None:
+        return out
+    if getattr(args, "kv_transfer", False):
+        raise ConfigError(
+            "--kv-offloading-size and --kv-transfer both set vLLM's one kv_transfer_config: "
+            "choose one"
+        )
+    if EngineSpec.parse(args.engines).kind != "vllm":
+        raise ConfigError(
+            "--kv-offloading-size needs --engines vllm:N (wasma starts those engines); for "
+            "openai: engines, start each vLLM server with --kv-offloading-size"
+        )
+    out["kv_offloading_gib"] = float(gib)
+    return out
 
 
 def _lease(value: Any) -> float:

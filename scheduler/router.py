@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from wasma.core.events import BlockRemoved, BlockStored, KVEvent
+from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from wasma.scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
 from wasma.scheduler.retention import RetentionTracker
 from wasma.scheduler.state import Charge
@@ -86,7 +86,15 @@ class Router:
         return placement
 
     def on_kv_event(self, event: KVEvent) -> None:
+        # An engine's CPU tier (vLLM's offloading, medium "CPU") is indexed apart from
+        # its GPU pool: a hit there costs a load, not nothing.
+        medium = getattr(event, "medium", None)
+        if medium is not None and medium.upper() == "CPU":
+            self.ctx.cpu_index.apply(event)
+            return
         self.ctx.index.apply(event)
+        if isinstance(event, AllBlocksCleared):
+            self.ctx.cpu_index.apply(event)
 
     def on_first_token(self, request_id: str) -> None:
         self.ctx.state.on_first_token(request_id)

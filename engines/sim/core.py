@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from wasma.core.events import BlockRemoved, BlockStored, EngineStats, KVEvent
 from wasma.core.profile import Profile
+from wasma.engines.sim.cpu_tier import CPU_MEDIUM, CpuTier
 from wasma.engines.sim.kv_cache import KVCache
 
 
@@ -47,6 +48,11 @@ class SimRequest:
     num_preemptions: int = 0
     prefill_tokens_computed: int = 0  # prompt/recompute tokens actually run through prefill
     pinned_blocks: list[int] = field(default_factory=list)  # moved-in KV held for it
+    # Prompt tokens loaded from the engine's CPU tier (part of `num_cached_tokens`).
+    num_cpu_hit_tokens: int = 0
+    # Look up and load its CPU-tier blocks when it arrives, not when it reaches the
+    # head of the queue (the router's prefetch).
+    prefetch: bool = False
     first_scheduled_time: float = -1.0
     first_token_time: float = -1.0
     finish_time: float = -1.0
@@ -118,6 +124,23 @@ class SimEngineCore:
             on_stored=self._emit_stored if kv_sink else None,
             on_removed=self._emit_removed if kv_sink else None,
         )
+        # The CPU tier (vLLM's offloading connector), when the profile sizes one: it
+        # hears of every block the GPU caches, and waiting requests load from it.
+        self.cpu: CpuTier | None = None
+        self._loading: list[tuple[float, int, SimRequest]] = []  # (lands, seq, request)
+        self._now = 0.0
+        if profile.cpu_kv_blocks > 0:
+            self.cpu = CpuTier(
+                profile.cpu_kv_blocks,
+                profile.block_size * profile.kv_bytes_per_token,
+                profile.cpu_h2d_bytes_per_s,
+                profile.cpu_d2h_bytes_per_s,
+                profile.cpu_load_latency_s,
+                on_stored=self._emit_cpu_stored if kv_sink else None,
+                on_removed=self._emit_cpu_removed if kv_sink else None,
+                keep=self.kv.retained.__contains__,
+            )
+            self.kv.on_stored = self._stored_with_tier
         self.running: list[SimRequest] = []
         self._fcfs: deque[SimRequest] = deque()
         self._heap: list[tuple[int, float, int, SimRequest]] = []
@@ -139,13 +162,53 @@ class SimEngineCore:
         assert self._kv_sink is not None
         self._kv_sink(BlockRemoved(self.name, tuple(hashes)))
 
+    def _stored_with_tier(self, hashes: list[int], parent: int | None) -> None:
+        if self._kv_sink is not None:
+            self._emit_stored(hashes, parent)
+        assert self.cpu is not None
+        self.cpu.store(hashes, self._now)
+
+    def _emit_cpu_stored(self, hashes: list[int]) -> None:
+        assert self._kv_sink is not None
+        self._kv_sink(BlockStored(self.name, tuple(hashes), None, CPU_MEDIUM))
+
+    def _emit_cpu_removed(self, hashes: list[int]) -> None:
+        assert self._kv_sink is not None
+        self._kv_sink(BlockRemoved(self.name, tuple(hashes), CPU_MEDIUM))
+
+    def _start_load(self, req: SimRequest, hits: list[int], now: float) -> bool:
+        """Load the blocks past `hits` that the CPU tier holds into GPU blocks held for
+        `req`; True if a load started (the request waits for it off the queue)."""
+        cpu = self.cpu
+        assert cpu is not None
+        start = len(hits)
+        n = cpu.loadable(req.block_hashes, start, (req.num_tokens - 1) // self.block_size, now)
+        if n <= 0:
+            return False
+        held = self.kv.seed_pinned(req.block_hashes[: start + n])
+        got = len(held) - start
+        if got <= 0:  # no GPU block free to load into: compute it instead
+            self.kv.free_blocks(held)
+            return False
+        req.pinned_blocks = held
+        req.num_cpu_hit_tokens = got * self.block_size
+        lands = cpu.load(req.block_hashes[start : start + got], now)
+        heapq.heappush(self._loading, (lands, req.seq, req))
+        return True
+
+    def _land_loads(self, now: float) -> None:
+        """Requests whose CPU-tier loads have landed rejoin the waiting queue."""
+        loading = self._loading
+        while loading and loading[0][0] <= now:
+            self._push_waiting(heapq.heappop(loading)[2], front=True)
+
     # -- queue -----------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self._heap) if self.policy == "priority" else len(self._fcfs)
 
     def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+        return bool(self.running) or self.num_waiting > 0 or bool(self._loading)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -188,6 +251,11 @@ class SimEngineCore:
         req.arrival_time = now
         req.seq = self._seq
         self._seq += 1
+        if self.cpu is not None and req.prefetch and not req.pinned_blocks:
+            self._now = now
+            hits = self.kv.longest_hit(req.block_hashes, (req.num_tokens - 1) // self.block_size)
+            if self._start_load(req, hits, now):
+                return
         self._push_waiting(req)
 
     def abort(self, request_id: str) -> None:
@@ -268,6 +336,10 @@ class SimEngineCore:
         prof = self.profile
         budget = prof.max_num_batched_tokens
         threshold = prof.long_prefill_token_threshold
+        cpu = self.cpu
+        if cpu is not None:
+            self._now = now
+            self._land_loads(now)
         scheduled: list[tuple[SimRequest, int]] = []
         preempted = False
         running = self.running
@@ -332,6 +404,13 @@ class SimEngineCore:
                 hits: list[int] = []
                 if req.num_computed_tokens == 0:
                     hits = kv.longest_hit(req.block_hashes, (req.num_tokens - 1) // bs)
+                    if (
+                        cpu is not None
+                        and not req.pinned_blocks
+                        and self._start_load(req, hits, now)
+                    ):
+                        self._pop_waiting()
+                        continue
                 num_new = req.num_tokens - req.num_computed_tokens - len(hits) * bs
                 if 0 < threshold < num_new:
                     num_new = threshold
@@ -366,6 +445,15 @@ class SimEngineCore:
             # The request being scheduled preempted itself (vLLM then schedules the rest
             # in its next iteration, at once): schedule again with the freed blocks.
             scheduled, preempted, admitted = self._schedule(now)
+        if not scheduled and self._loading:
+            # Only CPU-tier loads in flight: wait for the first to land (an arrival
+            # ends the wait early, `interrupt`).
+            self._scheduled = []
+            self._macro = None
+            self.busy = True
+            self._step_start = now
+            self.step_end = max(self._loading[0][0], now)
+            return self.step_end
         if not scheduled:
             # Nothing fits (all blocks held by waiting-only state cannot happen in vLLM);
             # report idle so the driver waits for the next arrival.
@@ -388,6 +476,7 @@ class SimEngineCore:
             and not preempted
             and not admitted
             and len(scheduled) == len(self.running)
+            and not self._loading
         ):
             k = self._macro_len()
             if k > 1:
@@ -435,6 +524,11 @@ class SimEngineCore:
 
         Returns the new step end if it moved, else None."""
         m = self._macro
+        if self.busy and not self._scheduled and m is None:
+            # Waiting for CPU-tier loads only: end the wait now, so the arrival is
+            # scheduled at once.
+            self.step_end = now
+            return now
         if m is None or not self.busy:
             return None
         # First sub-step whose end is at or after `now`.
@@ -453,6 +547,10 @@ class SimEngineCore:
         return self.step_end
 
     def sync(self, now: float) -> None:
+        self._now = now
+        self._sync(now)
+
+    def _sync(self, now: float) -> None:
         """Bring a macro step's KV up to `now`: the sub-steps scheduled by then have
         allocated (evicting) and cached their blocks, as step-by-step they would have, so
         the KV events the router sees are on time."""
@@ -500,6 +598,7 @@ class SimEngineCore:
     def complete_step(self, now: float) -> StepOutcome:
         """Apply the step in flight (it ended at `now`)."""
         assert self.busy
+        self._now = now
         self.busy = False
         self.steps += 1
         k = self._macro.k if self._macro is not None else 1

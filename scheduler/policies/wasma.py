@@ -52,6 +52,7 @@ from wasma.scheduler.policy import (
     RequestInfo,
     TransferOrder,
 )
+from wasma.scheduler.tier_index import tiered_match
 from wasma.scheduler.workflows import WorkflowState
 
 # Priority classes: vLLM runs lower numbers first.
@@ -139,6 +140,12 @@ class Wasma(Policy):
         # Slowdown of an engine per busy neighbour on its host (engines computing on one
         # host's CPU cores); None = the profile's measured `host_contention`.
         "host_contention": None,
+        # Engines with a CPU KV tier (vLLM's offloading): price loading a prefix from an
+        # engine's CPU tier against recomputing it and against moving it from a peer.
+        "cpu_tier": True,
+        # ...and have the engine start that load when the request arrives, overlapping
+        # its wait in the queue, instead of when it reaches the queue's head.
+        "prefetch": True,
     }
     param_bounds: ClassVar[dict[str, tuple[float, float]]] = {
         "kv_headroom": (0.01, 1.0),
@@ -318,6 +325,13 @@ class Wasma(Policy):
         loads = ctx.state.loads
         hashes = req.block_hashes
         real = ctx.index.match(hashes)
+        tier: list[int] | None = None
+        # Any engine reporting CPU-tier blocks (vLLM's offloading, or the simulator's
+        # tier) has one; loads are priced with the profile's PCIe figures.
+        if p["cpu_tier"] and len(ctx.cpu_index):
+            tier = tiered_match(ctx.index, ctx.cpu_index, hashes)
+        prefetch = bool(p["prefetch"])
+        max_hit = (req.prompt_tokens - 1) // bs  # vLLM computes the last prompt token
         slots = self.healthy_slots()
         holder = max(slots, key=real.__getitem__)
         max_real = real[holder]
@@ -373,6 +387,16 @@ class Wasma(Policy):
             overlay = (hit - real[s]) * bs
             queued = max(0, load.pending_prefill_tokens - overlay) * c_pre if load_aware else 0.0
             uncached = req.prompt_tokens - hit * bs
+            eff = hit  # blocks it need not compute: GPU hits, then CPU-tier loads
+            if tier is not None and min(tier[s], max_hit) > hit:
+                extra_cpu = min(tier[s], max_hit) - hit
+                t_load = prof.cpu_load_s(extra_cpu)
+                # With prefetch the load overlaps the request's wait in the queue.
+                shown = max(0.0, t_load - queued) if prefetch else t_load
+                if extra_cpu * bs * (c_pre + attn) > shown:
+                    eff = hit + extra_cpu
+                    uncached = req.prompt_tokens - eff * bs
+                    queued += shown
             if load_aware:
                 step = (
                     st.base_s
@@ -382,7 +406,7 @@ class Wasma(Policy):
             else:
                 step = st.base_s
             transfer: TransferOrder | None = None
-            if can_move and max_real > hit:
+            if can_move and max_real > eff:
                 if best_key is not None and prune:
                     # Pricing a move is the costly part of scoring an engine: skip the
                     # engine where even a free move of the whole prefix would not beat
@@ -393,7 +417,7 @@ class Wasma(Policy):
                         lb += ext_w * load.outstanding * (floor + req.max_tokens * step_inc)
                     if lb > best_key[0]:
                         continue
-                extra = max_real - hit
+                extra = max_real - eff
                 nbytes = extra * self._kv_bytes_per_block
                 assert copies is not None
                 t = (
@@ -412,7 +436,7 @@ class Wasma(Policy):
             others = 0.0
             if load_aware:
                 if kv_gate:
-                    got = max_real if transfer is not None else hit
+                    got = max_real if transfer is not None else eff
                     over = self._kv_over(s, req_blocks - got)
                 else:
                     cap = load.num_kv_blocks or prof.num_kv_blocks
@@ -431,7 +455,7 @@ class Wasma(Policy):
             key = (est, load.outstanding, pos)
             if best_key is None or key < best_key:
                 best_key = key
-                best = (own, s, max_real if transfer is not None else hit, transfer)
+                best = (own, s, max_real if transfer is not None else eff, transfer)
         est, slot, hit, transfer = best
         # KV-aware admission, per workflow as deadline admission is: a new workflow
         # waits while its best engine's KV is spoken for; an admitted one's later nodes
@@ -467,4 +491,5 @@ class Wasma(Policy):
             # Its readers can start once it finishes: the estimate is when.
             retain_use_s=est if reused and p["retain_by_use"] else None,
             estimated_finish_s=now + est,
+            prefetch=tier is not None and prefetch,
         )
