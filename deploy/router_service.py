@@ -30,6 +30,7 @@ from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.engines.base import (
     DEFAULT_RETAIN_S,
+    EngineCall,
     EngineClient,
     GenerateRequest,
     KVEvent,
@@ -117,6 +118,10 @@ class ServiceRequest:
     temperature: float = 0.0
     ignore_eos: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    # The client's API request, for engines that answer it themselves (pass-through).
+    call: EngineCall | None = None
+    # The engine (by name) that must serve it, whatever the policy prefers.
+    pin_engine: str | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +134,8 @@ class ServiceResult:
     finish_reason: str | None
     cached_tokens: int
     text: str = ""
+    raw: bytes = b""  # a passed-through answer's body, and its HTTP status
+    status: int = 0
 
 
 class _EngineFault(Exception):
@@ -158,6 +165,7 @@ class _Live:
     cancelled: bool = False  # the caller left before the engine finished
     # Output ids sent so far: a request cut mid-stream continues elsewhere from them.
     out_ids: list[int] = field(default_factory=list)
+    raw_sent: bool = False  # a passed-through answer has bytes out already
     failovers: int = 0
     last_s: float = 0.0  # when the request last got a chunk (or was placed)
     # The running wait for this request's next chunk; rescheduled to "now" to pull the
@@ -207,7 +215,10 @@ class RouterStream:
                 chunk = await service._next_chunk(live, self._gen)
                 break
             except _EngineFault as fault:
-                if live.failed:
+                if live.failed or (live.req.call is not None and live.raw_sent):
+                    # A passed-through answer half sent cannot be continued elsewhere:
+                    # its bytes are the engine's own, not tokens to resume from.
+                    live.failed = True
                     raise Unavailable(str(fault), None, 1.0) from None
                 # Continue on another engine from the tokens already sent: the client
                 # sees one stream, whatever happened behind it.
@@ -608,6 +619,18 @@ class RouterService:
             arrival_s=now,
             deadline_s=wst.deadline_s,
             parents=ident.parents,
+            pinned=self._pinned_slot(req),
+        )
+
+    def _pinned_slot(self, req: ServiceRequest) -> int | None:
+        if req.pin_engine is None:
+            return None
+        for slot, engine in enumerate(self.engines):
+            if engine.name == req.pin_engine:
+                return slot
+        raise BadRequest(
+            f"the engine that holds this request's state ({req.pin_engine}) is gone",
+            "previous_response_id",
         )
 
     def _place(
@@ -761,6 +784,7 @@ class RouterService:
             retain_key=req.request_id,
             # Retentions on this engine whose readers have all started ride along.
             release=self.router.retention.take(live.slot),
+            call=req.call,
         )
         self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
         try:
@@ -809,6 +833,13 @@ class RouterService:
         """Move `live` off a failed engine: placed again (without the engines now down),
         resubmitted with the prompt plus the tokens already sent, max_tokens reduced."""
         rid = live.req.request_id
+        if live.info is not None and live.info.pinned is not None:
+            raise Unavailable(
+                f"request {rid} can run only on {self.engines[live.info.pinned].name}, "
+                f"which failed: {fault}",
+                None,
+                1.0,
+            )
         while True:
             if live.failovers >= self.max_failovers:
                 raise Unavailable(
@@ -856,18 +887,31 @@ class RouterService:
         stream = await self.open(req)
         ids: list[int] = []
         text: list[str] = []
+        raw: list[bytes] = []
+        status = 0
         reason: str | None = None
         try:
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
                 if chunk.text:
                     text.append(chunk.text)
+                if chunk.raw:
+                    raw.append(chunk.raw)
+                if chunk.status:
+                    status = chunk.status
                 if chunk.finished:
                     reason = chunk.finish_reason
         finally:
             await stream.aclose()
         return ServiceResult(
-            stream.engine, stream.kind, ids, reason, stream._live.cached, "".join(text)
+            stream.engine,
+            stream.kind,
+            ids,
+            reason,
+            stream._live.cached,
+            "".join(text),
+            b"".join(raw),
+            status,
         )
 
     def _on_chunk(self, live: _Live, chunk: TokenChunk) -> None:
@@ -882,6 +926,8 @@ class RouterService:
         live.last_s = self._progress[live.slot] = self.now()
         if chunk.token_ids:
             live.out_ids.extend(chunk.token_ids)
+        if chunk.raw:
+            live.raw_sent = True
         if chunk.finished and chunk.finish_reason != "abort":
             self._engine_ok(live.slot)
 

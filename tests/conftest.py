@@ -37,3 +37,24 @@ def result_fields() -> dict[str, type]:
         "transferred_bytes": int,
         "decision_p99_us": float,
     }
+
+
+@pytest.fixture(scope="session")
+def sim_frontend(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """vLLM's front end over the tiny model (tools-aware template, hermes tool parser),
+    served as `wasma-sim`: what `wasma serve --engines sim:N` renders with. Built once
+    (loading vLLM's serving layer takes seconds)."""
+    pytest.importorskip("vllm")
+    import asyncio
+
+    from wasma.deploy.frontend import Frontend, FrontendOptions
+    from wasma.engines.tiny_model import write_tiny_model
+
+    model = write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
+    options = FrontendOptions(
+        model=str(model),
+        served_model_name=("wasma-sim",),
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
+    return asyncio.run(Frontend.build(options))
