@@ -112,22 +112,35 @@ def _vllm_error(err: Any, anthropic: bool) -> ApiAnswer:
     return ApiAnswer(int(info.code), _dumps(err.model_dump()))
 
 
-def validation_answer(exc: Any, anthropic: bool = False) -> ApiAnswer:
+def validation_answer(exc: Any) -> ApiAnswer:
     """A pydantic `ValidationError` of a request body, as vLLM's FastAPI handler words
-    it (its locations start with `body`, as FastAPI's do)."""
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
-        _format_error,
-        clean_loc_for_param,
-    )
-    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
-
+    it (its locations start with `body`, as FastAPI's do; the OpenAI shape on every
+    endpoint, /v1/messages included, as vLLM's handler answers there)."""
     errors = []
     for e in exc.errors():
         e = dict(e)
         e["loc"] = ("body", *e.get("loc", ()))
         e.pop("url", None)
         errors.append(e)
-    param = clean_loc_for_param(errors[0]["loc"]) if errors else None
+    return _validation_errors(errors)
+
+
+def _validation_errors(errors: list[dict[str, Any]]) -> ApiAnswer:
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+        _format_error,
+        clean_loc_for_param,
+    )
+    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+    from vllm.exceptions import VLLMValidationError
+
+    param = None
+    for err in errors:
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, VLLMValidationError):
+            param = ctx_error.parameter
+            break
+    if param is None and errors:
+        param = clean_loc_for_param(tuple(errors[0]["loc"]))
     count = len(errors)
     label = "error" if count == 1 else "errors"
     message = f"{count} validation {label}:\n" + "".join(
@@ -135,25 +148,39 @@ def validation_answer(exc: Any, anthropic: bool = False) -> ApiAnswer:
     )
     if count > 10:
         message += f"  ...and {count - 10} more {label}\n"
-    return error_answer(
-        sanitize_message(message.rstrip()), 400, "Bad Request", param, anthropic=anthropic
-    )
+    return error_answer(sanitize_message(message.rstrip()), 400, "Bad Request", param)
 
 
-def parse_json(body: bytes, anthropic: bool = False) -> dict[str, Any]:
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; a body that is not one is vLLM's validation 400
+    (FastAPI's `json_invalid`, worded by vLLM's handler)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error_answer(
-            f"1 validation error:\n  {{'type': 'json_invalid', 'loc': ('body', {exc.pos}), "
-            f"'msg': 'JSON decode error', 'input': {{}}, 'ctx': {{'error': {exc.msg!r}}}}}",
-            400,
-            "Bad Request",
-            f"body.{exc.pos}",
-            anthropic=anthropic,
+        pos = getattr(exc, "pos", 0)
+        msg = getattr(exc, "msg", str(exc))
+        raise _validation_errors(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": msg},
+                }
+            ]
         ) from None
     if not isinstance(data, dict):
-        raise error_answer("the request body must be a JSON object", anthropic=anthropic)
+        raise _validation_errors(
+            [
+                {
+                    "type": "model_attributes_type",
+                    "loc": ("body",),
+                    "msg": "Input should be a valid dictionary or object to extract fields from",
+                    "input": data,
+                }
+            ]
+        )
     return data
 
 
@@ -182,7 +209,15 @@ def parse_request(kind: str, data: dict[str, Any]) -> Any:
     try:
         return _protocol(kind).model_validate(data)
     except ValidationError as exc:
-        raise validation_answer(exc, anthropic=kind == "messages") from None
+        raise validation_answer(exc) from None
+    except Exception as exc:  # vLLM's own checks raise VLLMValidationError directly
+        if not _is_client_error(exc):
+            raise
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        raise _vllm_error(create_error_response(exc), False) from None
 
 
 @dataclass(slots=True)
@@ -336,7 +371,21 @@ def _validate(cls: Any, data: dict[str, Any], anthropic: bool = False) -> Any:
         # TypeAdapter: some of vLLM's request types are unions (TokenizeRequest).
         return TypeAdapter(cls).validate_python(data)
     except ValidationError as exc:
-        raise validation_answer(exc, anthropic) from None
+        raise validation_answer(exc) from None
+    except Exception as exc:
+        if not _is_client_error(exc):
+            raise
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        raise _vllm_error(create_error_response(exc), anthropic) from None
+
+
+def _is_client_error(exc: Exception) -> bool:
+    from vllm.exceptions import VLLMError
+
+    return isinstance(exc, ValueError | TypeError | VLLMError)
 
 
 async def models_answer(frontend: Frontend) -> bytes:

@@ -275,7 +275,7 @@ class Gateway:
         anthropic = path.startswith("/v1/messages")
         try:
             body = await _read_body(scope, receive, self.cfg.max_body_bytes)
-            data = parse_json(body, anthropic)
+            data = parse_json(body)
             if path in LOCAL_PATHS:
                 await _send_json(send, 200, await local_answer(self.fe, path, data))
                 return
@@ -535,11 +535,13 @@ class Gateway:
         answer: TokenAnswer | None = None
         n_out = 0
         status = 200
+        passed_through = False  # the engine answers the API request itself
         try:
             async for chunk in tstream:
                 if chunk.status:
                     status = chunk.status
-                if chunk.raw or chunk.status:
+                    passed_through = True
+                if passed_through:
                     if chunk.raw:
                         yield chunk.raw, status
                     continue

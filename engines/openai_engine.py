@@ -382,8 +382,8 @@ class OpenAIEngine(EngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if request.call is not None:
-            async for chunk in self._forward(request, request.call):
-                yield chunk
+            async for piece in self._forward(request, request.call):
+                yield piece
             return
         content = _JSON_ENCODER.encode(self._body(request))
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}

@@ -52,7 +52,9 @@ def test_chat_is_vllms_answer_and_placed_on_rendered_ids(
 ) -> None:
     messages = [{"role": "user", "content": "plan the work"}]
     resp = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=6  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,  # type: ignore[arg-type]
     )
     out = resp.parse()
     assert resp.headers["x-wasma-engine"].startswith("sim")
