@@ -117,6 +117,8 @@ def vllm_api_server(
     env = dict(os.environ)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
+    # Responses are stored, so `previous_response_id` resolves on this server.
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     proc = ManagedProcess("vllm-api", cmd, tmp_path_factory.mktemp("logs") / "vllm.log", env=env)
     proc.start()
     try:

