@@ -217,6 +217,8 @@ VOLATILE = {
     "cached_tokens",
     "cache_write_tokens",
     "cached_tokens_per_turn",
+    # A Responses stream numbers its events, and how many there are is timing (SPREAD).
+    "sequence_number",
 }
 # Stream fields whose text a stream spreads over its events: vLLM's API server groups
 # the tokens it has when it sends an event, so the split (not the text) depends on timing.
