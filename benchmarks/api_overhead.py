@@ -29,7 +29,7 @@ from wasma.benchmarks.peers_procs import ManagedProcess, free_port
 def _wait(url: str, proc: ManagedProcess, timeout_s: float = 300.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if not proc.alive():
+        if not proc.alive:
             raise SystemExit(f"{proc.name} exited:\n{proc.log_tail()}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:

@@ -390,9 +390,13 @@ def _is_client_error(exc: Exception) -> bool:
 
 async def models_answer(frontend: Frontend) -> bytes:
     """/v1/models as vLLM's model registry lists them (without an engine: no LoRA
-    adapters)."""
+    adapters), each card with the tokenizer's `vocab_size`."""
     listing = await frontend.models.show_available_models()
-    return _dumps(listing.model_dump())
+    body = listing.model_dump()
+    for card in body["data"]:
+        # wasma's one addition: `wasma replay` draws token-id prompts below it.
+        card["vocab_size"] = frontend.vocab_size
+    return _dumps(body)
 
 
 # -- vLLM's answer from token ids (engines that return only tokens) --------------------
@@ -409,7 +413,18 @@ class TokenAnswer:
         self.state: Any = None
         self.created = int(time.time())
 
-    async def whole(self, token_ids: list[int], finish_reason: str | None) -> bytes:
+    @staticmethod
+    def _cached(usage: Any, cached: int) -> None:
+        """The prefix-cache hit in `usage`, as vLLM reports it with
+        `--enable-prompt-tokens-details` (wasma's placement reports rely on it)."""
+        from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
+
+        if usage is not None:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+
+    async def whole(
+        self, token_ids: list[int], finish_reason: str | None, cached: int = 0
+    ) -> bytes:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequest,
             DerenderCompletionRequest,
@@ -451,16 +466,17 @@ class TokenAnswer:
             )
         if isinstance(out, ErrorResponse):
             raise _vllm_error(out, False)
+        self._cached(out.usage, cached)
         return _dumps(out.model_dump())
 
     async def chunk(
         self,
         token_ids: list[int],
         finish_reason: str | None,
-        usage: tuple[int, int] | None = None,
+        usage: tuple[int, int, int] | None = None,
     ) -> bytes:
         """One SSE event: `token_ids` (with `finish_reason` on the last), or, with
-        `usage` (prompt, completion tokens), the closing usage-only event."""
+        `usage` (prompt, completion, cached tokens), the closing usage-only event."""
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatStreamRequest,
             DerenderCompletionStreamRequest,
@@ -519,6 +535,13 @@ class TokenAnswer:
         if isinstance(out, ErrorResponse):
             raise _vllm_error(out, False)
         piece, self.state = out
+        if usage is not None:
+            self._cached(piece.usage, usage[2])
+        if r.kind == "completion" and getattr(r.request, "return_token_ids", False):
+            # vLLM 0.32's completion stream derenderer leaves out the ids its API server
+            # sends for `return_token_ids` (`wasma replay` reads them): put them back.
+            for choice in piece.choices:
+                choice.token_ids = token_ids
         return b"data: " + piece.model_dump_json(exclude_unset=True).encode() + b"\n\n"
 
     @property

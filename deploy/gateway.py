@@ -463,7 +463,7 @@ class Gateway:
             assert rendered is not None
             status = 200
             body = await TokenAnswer(self.fe, rendered, sreq.request_id).whole(
-                res.token_ids, res.finish_reason
+                res.token_ids, res.finish_reason, res.cached_tokens
             )
         if rendered is not None and status == 200:
             self._remember(rendered, sreq, res.engine, body)
@@ -534,6 +534,7 @@ class Gateway:
         stream chunks derendered from the engine's token ids."""
         answer: TokenAnswer | None = None
         n_out = 0
+        cached = 0
         status = 200
         passed_through = False  # the engine answers the API request itself
         try:
@@ -547,13 +548,15 @@ class Gateway:
                     continue
                 if answer is None:
                     answer = TokenAnswer(self.fe, rendered, sreq.request_id)
+                if chunk.num_cached_tokens:
+                    cached = chunk.num_cached_tokens
                 n_out += len(chunk.token_ids)
                 reason = chunk.finish_reason if chunk.finished else None
                 if chunk.token_ids or reason:
                     yield await answer.chunk(list(chunk.token_ids), reason), status
             if answer is not None:
                 if answer.include_usage:
-                    usage = (len(sreq.prompt_token_ids), n_out)
+                    usage = (len(sreq.prompt_token_ids), n_out, cached)
                     yield await answer.chunk([], None, usage), status
                 yield DONE_EVENT, status
         except ServiceError as exc:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sim_frontend import sim_frontend
 
 from wasma.benchmarks.replay import Replayer
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -29,7 +30,6 @@ from wasma.deploy.router_service import (
     Unavailable,
 )
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import (
     EngineClient,
     EngineStats,
@@ -333,7 +333,7 @@ class _Chaos:
             return LocalRouterClient(svc)
 
         self.server = ServerThread(
-            create_app(factory, ByteTokenizer(), GatewayConfig(model_names=("wasma-sim",)))
+            create_app(factory, sim_frontend(), GatewayConfig(model_names=("wasma-sim",)))
         )
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -456,7 +456,7 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         holder.update(loop=asyncio.get_running_loop(), svc=svc)
         return LocalRouterClient(svc)
 
-    app = create_app(factory, ByteTokenizer(VOCAB_SIZE), GatewayConfig(model_names=("tiny",)))
+    app = create_app(factory, sim_frontend(), GatewayConfig(model_names=("tiny",)))
     srv = ServerThread(app)
     srv.start(timeout_s=300)
     try:

@@ -10,13 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from sim_frontend import sim_frontend
 
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.deploy.serve import ServerThread, free_port
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim.profile import load_profile
 from wasma.engines.sim_engine import SimEngine
 
@@ -40,7 +40,7 @@ def _gateway(cfg: GatewayConfig, admin_port: int | None = None, **kw: Any) -> Se
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(create_app(factory, ByteTokenizer(), cfg), admin_port=admin_port)
+    return ServerThread(create_app(factory, sim_frontend(), cfg), admin_port=admin_port)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from wasma.deploy.build import EngineSpec, ServiceConfig
 from wasma.deploy.gateway import Gateway, GatewayConfig, create_app
 from wasma.deploy.router_service import RouterService, ServiceRequest
 from wasma.deploy.serve import ServerThread, local_router_factory
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.deploy.vllm_metrics import parse_vllm_metrics
 from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
@@ -310,7 +309,7 @@ async def test_baseline_policies_keep_their_instance_when_recalibrated() -> None
 # -- long prompts are tokenised off the event loop ----------------------------------------
 
 
-class ThreadRecordingTokenizer(ByteTokenizer):
+class ThreadRecordingTokenizer:
     """The byte tokenizer, noting which thread each encode ran on."""
 
     def __init__(self) -> None:
