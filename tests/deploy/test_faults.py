@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from sim_frontend import sim_frontend
 
 from wasma.benchmarks.replay import Replayer
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -54,9 +53,9 @@ FAST: dict[str, Any] = {
 }
 
 
-def _engines(n: int, speed: float = 20.0) -> list[SimEngine]:
+def _engines(n: int, speed: float = 20.0, vocab_size: int | None = None) -> list[SimEngine]:
     profile = load_profile("llama3-8b-h100")
-    return [SimEngine(f"s{i}", profile, speed=speed) for i in range(n)]
+    return [SimEngine(f"s{i}", profile, speed=speed, vocab_size=vocab_size) for i in range(n)]
 
 
 @pytest.fixture
@@ -318,8 +317,8 @@ class _Chaos:
     """A gateway over three sim engines whose loop the test can reach (the engines' fault
     hooks must run on the server's event loop)."""
 
-    def __init__(self, n: int = 3, speed: float = 10.0) -> None:
-        self.engines = _engines(n, speed)
+    def __init__(self, frontend: Any, n: int = 3, speed: float = 10.0) -> None:
+        self.engines = _engines(n, speed, frontend.vocab_size)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.service: RouterService | None = None
 
@@ -333,7 +332,7 @@ class _Chaos:
             return LocalRouterClient(svc)
 
         self.server = ServerThread(
-            create_app(factory, sim_frontend(), GatewayConfig(model_names=("wasma-sim",)))
+            create_app(factory, frontend, GatewayConfig(model_names=("wasma-sim",)))
         )
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -342,8 +341,8 @@ class _Chaos:
 
 
 @pytest.fixture
-def chaos() -> Iterator[_Chaos]:
-    c = _Chaos()
+def chaos(sim_frontend: Any) -> Iterator[_Chaos]:
+    c = _Chaos(sim_frontend)
     with c.server:
         yield c
 
@@ -430,7 +429,7 @@ def test_a_torn_journal_line_loses_only_itself(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, sim_frontend: Any
 ) -> None:
     pytest.importorskip("vllm")
     from wasma.engines.tiny_model import VOCAB_SIZE, write_tiny_model
@@ -456,7 +455,7 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         holder.update(loop=asyncio.get_running_loop(), svc=svc)
         return LocalRouterClient(svc)
 
-    app = create_app(factory, sim_frontend(), GatewayConfig(model_names=("tiny",)))
+    app = create_app(factory, sim_frontend, GatewayConfig(model_names=("tiny",)))
     srv = ServerThread(app)
     srv.start(timeout_s=300)
     try:
