@@ -345,6 +345,26 @@ class Gateway:
                 param="prompt",
                 anthropic=anthropic,
             )
+        cfg = self.cfg
+        # The operator's bounds (GatewayConfig), on top of vLLM's own checks.
+        if rendered.max_tokens > cfg.max_tokens_limit and (
+            data.get("max_tokens") is not None
+            or data.get("max_completion_tokens") is not None
+            or data.get("max_output_tokens") is not None
+        ):
+            raise error_answer(
+                f"max_tokens must be at most {cfg.max_tokens_limit}",
+                param="max_tokens",
+                anthropic=anthropic,
+            )
+        for name in ("stop", "stop_sequences", "stop_token_ids"):
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > cfg.max_stop:
+                raise error_answer(
+                    f"at most {cfg.max_stop} {name.replace('_', ' ')}",
+                    param=name,
+                    anthropic=anthropic,
+                )
         state = scope["state"]
         rid = state["request_id"]
         pin: str | None = None
