@@ -23,11 +23,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
 from wasma.core.events import BlockStored
 from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.metadata import MetadataError, workflow_identity
-from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from wasma.scheduler import (
     ClusterState,
     PolicyContext,

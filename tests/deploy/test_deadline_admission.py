@@ -11,7 +11,8 @@ from wasma.core.profile import load_profile
 from wasma.deploy.deadline_shedding import SLOTS_PER_SEQUENCE, deadline_refusal, default_limit
 from wasma.deploy.metadata import WorkflowIdentity
 from wasma.deploy.router_config import RouterConfig
-from wasma.deploy.router_service import RouterService, ServiceRequest, Unavailable
+from wasma.deploy.router_service import RouterService
+from wasma.deploy.service_types import ServiceRequest, Unavailable
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.state import EngineLoad
 

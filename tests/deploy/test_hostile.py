@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from wasma.deploy.tokenizer import ByteTokenizer
 
 from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -23,7 +24,6 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.workflow import ContextOf, Node, Unique, Workflow
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from wasma.deploy.tokenizer import ByteTokenizer
 
 from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -18,7 +19,6 @@ from wasma.deploy.http_limits import HttpLimits
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
 LIMITS = HttpLimits(max_header_bytes=8192, header_timeout_s=0.5, body_timeout_s=0.5)

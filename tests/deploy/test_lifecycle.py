@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from wasma.deploy.tokenizer import ByteTokenizer
 
 from wasma.core.profile import load_profile
 from wasma.deploy.build import EngineSpec, ServiceConfig
@@ -21,7 +22,6 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port, local_router_factory
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from wasma.deploy.tokenizer import ByteTokenizer
 
 from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -27,7 +28,6 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
 REPO = Path(__file__).resolve().parents[2]

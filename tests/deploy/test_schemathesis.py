@@ -11,6 +11,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from wasma.deploy.tokenizer import ByteTokenizer
 
 from wasma.core.profile import load_profile
 from wasma.deploy.gateway import GatewayConfig, create_app
@@ -18,7 +19,6 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
 PROFILE = load_profile("tiny-cpu")
