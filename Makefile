@@ -41,7 +41,7 @@ prometheus:
 COV_FLOOR ?= 80
 
 test: lint prometheus
-	$(BIN)/pytest -q --cov=wasma --cov-report= --cov-fail-under=$(COV_FLOOR)
+	$(BIN)/pytest -q --cov --cov-report= --cov-fail-under=$(COV_FLOOR)
 
 bench: install
 	$(BIN)/python -m wasma.benchmarks.studies.targets --out $(OUT)/bench

@@ -111,7 +111,11 @@ def records_digest(run: RunResult) -> str:
     floats as their exact repr."""
     h = hashlib.sha256()
     for r in run.requests:
-        h.update(repr(dataclasses.astuple(r)).encode())
+        fields = dataclasses.astuple(r)
+        # Recorded before the CPU tier: its field (last, 0 without a tier) is checked here
+        # and left out of the digest.
+        assert fields[-1] == 0, "a CPU-tier hit in a run with no tier"
+        h.update(repr(fields[:-1]).encode())
     for w in run.workflows:
         h.update(repr(dataclasses.astuple(w)).encode())
     return h.hexdigest()
@@ -123,6 +127,9 @@ def figures(name: str) -> dict[str, Any]:
     row = summarize(run, f"{tr}.jsonl", profile.kv_bytes_per_token)
     for key in WALL_FIELDS:
         row.pop(key)
+    # Recorded before the CPU tier existed: with no tier, every hit is a GPU hit.
+    tiers = row.pop("prefix_hits_by_tier")
+    assert tiers == {"gpu": row["prefix_hit_ratio"], "cpu": 0.0}
     row["preemptions"] = sum(r.preemptions for r in run.requests)
     row["engine_prefix_queries"] = run.engine_prefix_queries
     row["engine_prefix_hits"] = run.engine_prefix_hits

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wasma.benchmarks.plan_table import random_cluster
+from wasma.benchmarks.studies.plan_table import random_cluster
 from wasma.transfer import Planner, TransferPlan, build_preset
 from wasma.transfer.plan import check_plan
 

@@ -1,6 +1,6 @@
 """The planner against its bound and against NCCL-style ring and tree, on the presets.
 
-    python -m wasma.benchmarks.plan_table [--sizes 1GiB,64MiB,4KiB] [--json FILE]
+    python -m wasma.benchmarks.studies.plan_table [--sizes 1GiB,64MiB,4KiB] [--json FILE]
 
 For each preset at 1, 2 and 4 nodes and each destination set (1 GPU; the source node's 7
 others; the next node's 8; the first 16 GPUs' 15 others; all 31 others), the plan's

@@ -7,7 +7,8 @@ at each policy's capacity against the unbounded-cache ceiling
 (`metrics.prefix_hit_ceiling`), and an ablation of wasma's tier mechanisms. Writes
 DIR/kv_tier.json, DIR/kv_tier.md and DIR/kv_tier.png.
 
-    python -m wasma.benchmarks.kv_tier --mooncake ../shared/traces/mooncake_synthetic.jsonl \
+    python -m wasma.benchmarks.studies.kv_tier \
+        --mooncake ../shared/traces/mooncake_synthetic.jsonl \
         --requests 1000 --engines 8 --out out/kv-tier
 """
 
