@@ -36,9 +36,9 @@ prometheus:
 	@command -v promtool >/dev/null 2>&1 || apt-get install -y prometheus \
 		|| (apt-get update && apt-get install -y prometheus)
 
-# Coverage of the wasma package by the suite; the floor is the figure measured when it was
-# set, so a change that drops tests fails here.
-COV_FLOOR ?= 80
+# Coverage of the wasma package by the suite: 88% when the floor was set, less a point for
+# timing-dependent branches, so a change that drops tests fails here.
+COV_FLOOR ?= 87
 
 test: lint prometheus
 	$(BIN)/pytest -q --cov --cov-report= --cov-fail-under=$(COV_FLOOR)
