@@ -87,10 +87,10 @@ class Admission:
             node_id = ident.node_id or req.request_id
         if (why := self.dispatch.parent_error(wkey, node_id, ident.parents)) is not None:
             raise BadRequest(why, "x-wasma-parents")
-        seen = self.dispatch.ctx.workflows.get(wkey)
-        self._shed_by_deadline(req, seen if seen is None or seen.finished_s is None else None, now)
+        running = self.dispatch.current_run(wkey)
+        self._shed_by_deadline(req, running, now)
         wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now)
-        if ident.workflow_id is not None and (seen is None or seen.finished_s is not None):
+        if ident.workflow_id is not None and running is None:
             self.metrics.observe_workflow_started(wst.app)
         return Dispatcher.request_info(
             req.request_id,

@@ -192,11 +192,9 @@ class Dispatcher:
         is a new run of it. `track` counts the request open in a live workflow (no DAG)
         until `release`, for the idle sweep."""
         registry = self.ctx.workflows
-        wst = registry.get(key)
-        if wst is not None and wst.finished_s is not None:
-            registry.finished.pop(key, None)
-            wst = None
+        wst = self.current_run(key)
         if wst is None:
+            registry.finished.pop(key, None)  # a finished run under this id is over
             deadline = math.inf if deadline_s is None else deadline_s
             wst = registry.ensure(key, app or "default", now, deadline)
         if track and wst.workflow is None and not key.startswith(ANONYMOUS_PREFIX):
@@ -205,14 +203,17 @@ class Dispatcher:
             entry[1] = now
         return wst
 
+    def current_run(self, key: str) -> WorkflowState | None:
+        """The run of workflow `key` in progress; None when a request for it would open a
+        new one (never seen, or finished: a finished workflow seen again runs anew)."""
+        return self.ctx.workflows.active.get(key)
+
     def parent_error(self, key: str, node_id: str, parents: tuple[str, ...]) -> str | None:
         """Why a request's declared parents cannot be (itself, a parent that never ran,
         a cycle), checked before its workflow is entered so a refused request leaves
         nothing behind; None when they can."""
-        wst = self.ctx.workflows.get(key)
-        if wst is None or wst.finished_s is not None:
-            # New (or a new run of a finished one): nothing has run in it yet.
-            wst = WorkflowState(None, key, "", 0.0, math.inf)
+        # A new run has nothing in it yet.
+        wst = self.current_run(key) or WorkflowState(None, key, "", 0.0, math.inf)
         return wst.parent_error(node_id, parents)
 
     def busy(self, key: str) -> bool:
