@@ -230,9 +230,6 @@ class Dispatcher:
         if entry is not None:
             entry[1] = now
 
-    def is_live(self, key: str) -> bool:
-        return key in self._open
-
     @property
     def open_workflows(self) -> int:
         """Live workflows (no registered DAG) not closed yet."""
