@@ -27,6 +27,7 @@ import msgspec
 
 from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
+    EngineCall,
     EngineClient,
     GenerateRequest,
     KVEventSink,
@@ -380,6 +381,10 @@ class OpenAIEngine(EngineClient):
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if request.call is not None:
+            async for piece in self._forward(request, request.call):
+                yield piece
+            return
         content = _JSON_ENCODER.encode(self._body(request))
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
         # The finishing chunk is held back until the usage event that follows it (it
@@ -406,6 +411,46 @@ class OpenAIEngine(EngineClient):
         if last is None:
             raise RemoteEngineError(f"{self.name}: stream ended without finishing")
         yield last
+
+    def _call_body(self, request: GenerateRequest, call: EngineCall) -> bytes:
+        """The client's body, with the router's retention tags merged into its
+        `vllm_xargs` (read by wasma's retaining scheduler) where it asks for any."""
+        xargs = request.retention_args()
+        if not xargs:
+            return call.body
+        body = _JSON_DECODER.decode(call.body)
+        own = body.get("vllm_xargs")
+        body["vllm_xargs"] = {**own, **xargs} if isinstance(own, dict) else xargs
+        return _JSON_ENCODER.encode(body)
+
+    async def _forward(
+        self, request: GenerateRequest, call: EngineCall
+    ) -> AsyncIterator[TokenChunk]:
+        """Pass the client's request through: the server's status and body bytes come
+        back as they are (an error too: a 4xx is the server's answer, not its fault).
+        The first chunk carries the status; the last one is `finished`."""
+        content = self._call_body(request, call)
+        headers = {"x-request-id": request.request_id, "content-type": "application/json"}
+        try:
+            async with self._http.stream(
+                "POST", call.path, content=content, headers=headers
+            ) as resp:
+                status = resp.status_code
+                if status >= 500:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
+                if status >= 400 or not call.stream:
+                    body = await resp.aread()
+                    yield TokenChunk((), True, "stop", raw=body, status=status)
+                    return
+                first = True
+                async for part in resp.aiter_raw():
+                    if part:
+                        yield TokenChunk((), False, raw=part, status=status if first else 0)
+                        first = False
+                yield TokenChunk((), True, "stop", status=status if first else 0)
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
 
     def _check_status(self, status: int, text: str) -> None:
         if status < 400:

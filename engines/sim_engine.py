@@ -206,6 +206,10 @@ class SimEngine(EngineClient):
     # -- EngineClient ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         self._ensure_running()
+        if request.call is not None and request.call.needs_model:
+            raise ValueError(
+                f"a simulated engine cannot answer this request: {request.call.needs_model}"
+            )
         prompt = request.prompt_token_ids
         if request.max_tokens <= 0:
             raise ValueError("max_tokens must be positive")

