@@ -275,6 +275,18 @@ async def render(frontend: Frontend, kind: str, data: dict[str, Any]) -> Rendere
     if isinstance(result, ErrorResponse):
         raise _vllm_error(result, anthropic)
     gens = result if isinstance(result, list) else [result]
+    try:
+        for gen in gens:
+            # vLLM's engine checks these on input (input_processor) and answers a 400;
+            # here no engine sees ids it would refuse (a failed request on an engine
+            # counts against its health).
+            frontend.renderer.validate_token_ids(gen.token_ids)
+    except Exception as exc:
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        raise _vllm_error(create_error_response(exc), anthropic) from None
     first = gens[0]
     params = first.sampling_params
     return Rendered(
@@ -420,13 +432,11 @@ def _is_client_error(exc: Exception) -> bool:
 
 async def models_answer(frontend: Frontend) -> bytes:
     """/v1/models as vLLM's model registry lists them (without an engine: no LoRA
-    adapters), each card with the tokenizer's `vocab_size`."""
+    adapters). The body is vLLM's exactly; wasma's one addition, the tokenizer's
+    vocabulary size (`wasma replay` draws token-id prompts below it), rides in the
+    `x-wasma-vocab-size` header the route adds."""
     listing = await frontend.models.show_available_models()
-    body = listing.model_dump()
-    for card in body["data"]:
-        # wasma's one addition: `wasma replay` draws token-id prompts below it.
-        card["vocab_size"] = frontend.vocab_size
-    return _dumps(body)
+    return _dumps(listing.model_dump())
 
 
 # -- vLLM's answer from token ids (engines that return only tokens) --------------------
@@ -497,6 +507,15 @@ class TokenAnswer:
         if isinstance(out, ErrorResponse):
             raise _vllm_error(out, False)
         self._cached(out.usage, cached)
+        if getattr(r.request, "return_token_ids", False):
+            # vLLM 0.32's derenderer leaves out the ids its API server returns for
+            # `return_token_ids` (agents and `wasma replay` extend prompts with them).
+            for choice in out.choices:
+                choice.token_ids = list(token_ids)
+                if r.kind == "completion":
+                    choice.prompt_token_ids = list(r.token_ids)
+            if r.kind == "chat":
+                out.prompt_token_ids = list(r.token_ids)
         return _dumps(out.model_dump())
 
     async def chunk(

@@ -62,6 +62,7 @@ class Frontend:
         self.models = state.openai_serving_models
         renderer = state.online_renderer
         self.model_config = renderer.model_config
+        self.renderer = renderer.renderer  # vLLM's renderer: tokenizer, token id checks
         self.tokenizer = renderer.renderer.get_tokenizer()
         self.has_parser = renderer.parser is not None
 

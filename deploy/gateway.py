@@ -385,6 +385,11 @@ class Gateway:
                     param=name,
                     anthropic=anthropic,
                 )
+        stop_ids = data.get("stop_token_ids")
+        if isinstance(stop_ids, list) and any(not -(2**63) <= t < 2**63 for t in stop_ids):
+            # vLLM accepts any integer here, then fails to hand one past 64 bits to its
+            # engine core: a 500 that counts against the engine's health. Refused first.
+            raise error_answer("stop_token_ids must be 64-bit integers", param="stop_token_ids")
         state = scope["state"]
         rid = state["request_id"]
         pin: str | None = None
@@ -405,6 +410,10 @@ class Gateway:
                         if ident.workflow_id is None
                         else ident.source,
                     )
+        if kind == "responses" and ident.workflow_id is None:
+            # A conversation's first response: the workflow its follow-ups (naming it as
+            # previous_response_id) join as its children.
+            ident = replace(ident, workflow_id=f"resp-{rid}", node_id=rid, source="responses")
         sreq = ServiceRequest(
             request_id=rid,
             prompt_token_ids=rendered.token_ids,
@@ -431,8 +440,10 @@ class Gateway:
         if resp_id is None:
             return
         ident = sreq.identity
-        wf = ident.workflow_id or f"resp-{resp_id}"
-        self.responses.remember(resp_id, engine, wf, ident.node_id or sreq.request_id)
+        assert ident.workflow_id is not None  # every Responses request has one (_generate)
+        self.responses.remember(
+            resp_id, engine, ident.workflow_id, ident.node_id or sreq.request_id
+        )
 
     async def _pooling(
         self,
@@ -703,7 +714,9 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         g = gw(request)
-        return _json(await models_answer(g.fe))
+        return _json(
+            await models_answer(g.fe), headers={"x-wasma-vocab-size": str(g.fe.vocab_size)}
+        )
 
     @app.post("/v1/workflows")
     async def register_workflow(request: Request) -> Response:

@@ -203,6 +203,18 @@ CORPUS: dict[str, tuple[str, Any]] = {
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
     ),
     "error invalid json": ("/v1/chat/completions", b"{not json"),
+    "error max_tokens zero": comp(max_tokens=0),
+    "error max_tokens not a number": comp(max_tokens="many"),
+    "error empty token prompt": comp(prompt=[]),
+    "error mixed token prompt": comp(prompt=[1, "a"]),
+    "error negative token id": comp(prompt=[-1, 5]),
+    "error token id past the vocabulary": comp(prompt=[10**9]),
+    "error seed past 64 bits": comp(seed=2**64),
+    "error negative stop token id": comp(stop_token_ids=[-1]),
+    "error temperature too high": comp(temperature=9, seed=0),
+    "error chat without messages": chat(messages=[]),
+    "error message without role": chat(messages=[{"content": "no role"}]),
+    "error max_completion_tokens zero": chat(max_completion_tokens=0),
     "embeddings on a generative model": ("/v1/embeddings", {"model": MODEL, "input": "x"}),
 }
 
@@ -277,14 +289,19 @@ def _digest(events: list[Any]) -> dict[str, Any]:
 def _answer(resp: httpx.Response) -> tuple[int, Any]:
     text = resp.text
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        events = []
+        events: list[Any] = []
+        names: list[str] = []
         for line in text.splitlines():
             if line.startswith("data:"):
                 data = line[5:].strip()
                 events.append(data if data == "[DONE]" else _scrub(json.loads(data)))
             elif line.startswith("event:"):
-                events.append(line)
-        return resp.status_code, _digest(events)
+                # Named events (Responses, Messages) repeat the data's `type`: compared
+                # on their own, so that a run of deltas merges in the digest's kinds.
+                name = line[6:].strip()
+                if not names or names[-1] != name:
+                    names.append(name)
+        return resp.status_code, {**_digest(events), "event names": names}
     try:
         return resp.status_code, _scrub(json.loads(text))
     except ValueError:
