@@ -199,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router in the gateway process instead of a Ray actor",
     )
     sv.add_argument(
+        "--shared-router",
+        default=None,
+        metavar="NAME",
+        help="route through the detached Ray actor NAME, shared by every gateway that "
+        "names it (the first creates it): several gateway processes or pods, one "
+        "scheduling state",
+    )
+    sv.add_argument(
         "--sim-speed", type=_positive_float, default=None, help="sim engines: run N x faster"
     )
     sv.add_argument(

@@ -272,26 +272,47 @@ def local_router_factory(
     return factory
 
 
-def ray_router_factory(cfg: ServiceConfig) -> Any:
+# The Ray namespace shared routers live in: gateways started anywhere in the cluster
+# find one by its name there.
+SHARED_ROUTER_NAMESPACE = "wasma"
+
+
+def ray_router_factory(cfg: ServiceConfig, shared_name: str | None = None) -> Any:
+    """The router as a Ray actor. With `shared_name`, one detached actor of that name
+    serves every gateway that names it: the first to start creates it, the others join
+    it, so all of them place on one view of workflows, prefixes and loads."""
+
     async def factory() -> RouterClient:
         import ray
 
         actor_cls: Any = ray.remote(RouterActor)
         # An async actor runs its methods as coroutines on one loop; the concurrency cap
         # bounds requests in flight, so set it above the router's own admission limit.
-        handle = actor_cls.options(
-            name="wasma-router",
-            max_concurrency=max((cfg.max_outstanding or 8192) * 2, 1000),
-            num_cpus=0,
-            get_if_exists=False,
+        options: dict[str, Any] = {
+            "name": shared_name or "wasma-router",
+            "max_concurrency": max((cfg.max_outstanding or 8192) * 2, 1000),
+            "num_cpus": 0,
+            "get_if_exists": shared_name is not None,
             # Ray brings a dead router back; it replays the journal (registered DAGs and
             # their progress) and requests in flight got a retryable 503 meanwhile.
-            max_restarts=cfg.router_max_restarts,
-            max_task_retries=0,
-        ).remote(cfg)
+            "max_restarts": cfg.router_max_restarts,
+            "max_task_retries": 0,
+        }
+        if shared_name is not None:
+            # Outlives the gateway that created it: the others still route through it.
+            options |= {"namespace": SHARED_ROUTER_NAMESPACE, "lifetime": "detached"}
+        handle = actor_cls.options(**options).remote(cfg)
         engines = await handle.start.remote()
-        log.info("router actor up with engines %s", engines)
-        return RayRouterClient(handle)
+        log.info("router actor %s up with engines %s", options["name"], engines)
+        if shared_name is not None and len(engines) != cfg.engines.count:
+            log.warning(
+                "shared router %s has %d engines; this gateway's --engines names %d: "
+                "the router's own configuration holds",
+                shared_name,
+                len(engines),
+                cfg.engines.count,
+            )
+        return RayRouterClient(handle, owns=shared_name is None)
 
     return factory
 
@@ -379,6 +400,8 @@ def serve_main(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if cfg.engines.kind == "sim":
         cfg = replace(cfg, sim_vocab_size=frontend.vocab_size)
+    if getattr(args, "router_in_process", False) and getattr(args, "shared_router", None):
+        raise ConfigError("--shared-router is a Ray actor: it cannot be --router-in-process")
     if getattr(args, "router_in_process", False):
         factory = local_router_factory(cfg, calibration_setting(file_cfg.get("calibration")))
     else:
@@ -388,7 +411,7 @@ def serve_main(args: argparse.Namespace) -> int:
             ray.init(address=args.address)
         else:
             ray.init(include_dashboard=False)
-        factory = ray_router_factory(cfg)
+        factory = ray_router_factory(cfg, getattr(args, "shared_router", None))
     app = create_app(factory, frontend, gcfg, lifecycle)
     if gcfg.admin_port is not None:
         return _serve_two(app, args.host, args.port, gcfg.admin_port, limits, lifecycle)

@@ -431,6 +431,10 @@ class OpenAIEngine(EngineClient):
         The first chunk carries the status; the last one is `finished`."""
         content = self._call_body(request, call)
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
+        if self._aio is not None:
+            async for piece in self._forward_aio(call, content, headers):
+                yield piece
+            return
         try:
             async with self._http.stream(
                 "POST", call.path, content=content, headers=headers
@@ -451,6 +455,49 @@ class OpenAIEngine(EngineClient):
                 yield TokenChunk((), True, "stop", status=status if first else 0)
         except httpx.HTTPError as exc:
             raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _forward_aio(
+        self, call: EngineCall, content: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[TokenChunk]:
+        """`_forward` over the aiohttp session (its C parser: the pass-through is the
+        gateway's hot path for remote engines)."""
+        import aiohttp
+
+        url = self.base_url + call.path
+        try:
+            answer = await self._post_aio(url, content, headers)
+            async with answer:
+                status = answer.status
+                if status >= 500:
+                    text = await answer.text(errors="replace")
+                    raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
+                if status >= 400 or not call.stream:
+                    body = await answer.read()
+                    yield TokenChunk((), True, "stop", raw=body, status=status)
+                    return
+                first = True
+                async for part in answer.content.iter_any():
+                    if part:
+                        yield TokenChunk((), False, raw=part, status=status if first else 0)
+                        first = False
+                yield TokenChunk((), True, "stop", status=status if first else 0)
+        except aiohttp.ClientError as exc:
+            raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise RemoteEngineError(f"{self.name}: timed out: {exc}") from exc
+
+    async def _post_aio(self, url: str, content: bytes, headers: dict[str, str]) -> Any:
+        import aiohttp
+
+        for attempt in (0, 1):
+            try:
+                return await self._aio.post(url, data=content, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the server closed just as it was
+                # reused: nothing reached the engine, so sending again is safe.
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _check_status(self, status: int, text: str) -> None:
         if status < 400:
@@ -479,18 +526,8 @@ class OpenAIEngine(EngineClient):
         import aiohttp
 
         url = self.base_url + "/v1/completions"
-        answer: Any = None
         try:
-            for attempt in (0, 1):
-                try:
-                    answer = await self._aio.post(url, data=content, headers=headers)
-                except aiohttp.ServerDisconnectedError:
-                    # A pooled keep-alive connection the server closed just as it was
-                    # reused: nothing reached the engine, so sending again is safe.
-                    if attempt:
-                        raise
-                    continue
-                break
+            answer = await self._post_aio(url, content, headers)
             async with answer:
                 if answer.status >= 400:
                     self._check_status(answer.status, await answer.text(errors="replace"))

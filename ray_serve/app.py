@@ -26,7 +26,6 @@ from wasma.ray_serve.ingress import WasmaIngress
 from wasma.ray_serve.router import WorkflowRouter
 from wasma.scheduler.registry import default_registry
 
-
 # The engine flags that change how vLLM renders a prompt: the scheduling state renders
 # with the same ones, so it hashes the ids the replicas' engines cache.
 FRONTEND_FLAGS = (

@@ -28,9 +28,9 @@ from typing import Any
 from wasma.core.events import BlockStored
 from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
-from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.deploy.api import ApiAnswer, Rendered, render
 from wasma.deploy.frontend import Frontend, FrontendOptions
+from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherConfig
 
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are

@@ -30,6 +30,7 @@ from wasma.deploy.serve import ServerThread
 from wasma.deploy.service_types import BadRequest, NotFound, ServiceRequest, Unavailable
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk, launch_all
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
 from wasma.scheduler.workflow import Workflow
@@ -344,7 +345,7 @@ def chaos(sim_frontend: Any) -> Iterator[_Chaos]:
 
 async def test_chaos_kill_one_of_three_engines_during_replay(chaos: _Chaos) -> None:
     wfs = [_mapreduce(i, 0.05 * i) for i in range(12)]
-    rep = Replayer(url=chaos.server.url, workflows=wfs, vocab_size=128_256, progress=False)
+    rep = Replayer(url=chaos.server.url, workflows=wfs, vocab_size=VOCAB_SIZE, progress=False)
 
     async def kill_when_busy() -> None:
         svc = chaos.service
@@ -482,10 +483,12 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         srv.stop()
 
 
-def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -> None:
+def test_ray_restarts_a_killed_router_actor_with_its_workflows(
+    tmp_path: Path, sim_frontend: Any
+) -> None:
     ray = pytest.importorskip("ray")
     from wasma.deploy.build import EngineSpec, ServiceConfig
-    from wasma.deploy.serve import gateway_setup, ray_router_factory
+    from wasma.deploy.serve import ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -494,9 +497,10 @@ def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -
             sim_speed=100.0,
             journal=str(tmp_path / "journal.jsonl"),
             router_max_restarts=2,
+            sim_vocab_size=sim_frontend.vocab_size,
         )
-        tok, gcfg = gateway_setup(cfg, (), None, {})
-        with ServerThread(create_app(ray_router_factory(cfg), tok, gcfg)) as srv:
+        gcfg = GatewayConfig(model_names=("wasma-sim",))
+        with ServerThread(create_app(ray_router_factory(cfg), sim_frontend, gcfg)) as srv:
             node = {"parents": [], "output_tokens": 3, "prompt": [{"unique": 8}]}
             nodes = [{**node, "id": "a"}, {**node, "id": "b", "parents": ["a"]}]
             dag = {"workflow_id": "w", "deadline_s": 60.0, "nodes": nodes}

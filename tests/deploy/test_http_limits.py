@@ -4,12 +4,11 @@ read no further than the limit, and well-behaved keep-alive clients are untouche
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest

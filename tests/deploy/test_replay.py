@@ -71,7 +71,7 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_dependencies_and_real_outputs(gateway: ServerThread, trace: Path) -> None:
     wfs = load_trace(trace)
-    rep = Replayer(url=gateway.url, workflows=wfs, vocab_size=128_256, progress=False)
+    rep = Replayer(url=gateway.url, workflows=wfs, vocab_size=VOCAB_SIZE, progress=False)
     await rep.run()
     assert not rep.failures
     assert len(rep.results) == sum(len(w) for w in wfs)

@@ -4,10 +4,9 @@ gateway on simulated engines. Whatever they send, no answer is a 5xx."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest

@@ -6,7 +6,7 @@ hits all three alike); each is a streamed chat completion of `--tokens` greedy t
 Reported: TTFT and end-to-end p50/p99 per target, and each router's added p50/p99 over
 the direct path (the per-request difference against the direct request sent just before).
 
-    python -m wasma.benchmarks.api_overhead --url http://127.0.0.1:8000 --model DIR
+    python -m wasma.benchmarks.studies.api_overhead --url http://127.0.0.1:8000 --model DIR
 """
 
 from __future__ import annotations
