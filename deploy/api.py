@@ -238,7 +238,8 @@ class Rendered:
     max_tokens: int
     stream: bool
     temperature: float
-    needs_model: str  # what a token-only engine cannot answer ("" = nothing)
+    needs_model: str  # what an engine with no model cannot sample ("" = nothing)
+    needs_api: str  # what an answer in token ids cannot carry ("" = nothing)
     prompts: int = 1  # completions may carry several
     generate: list[Any] = field(default_factory=list)  # vLLM GenerateRequests
 
@@ -296,27 +297,33 @@ async def render(frontend: Frontend, kind: str, data: dict[str, Any]) -> Rendere
         max_tokens=int(params.max_tokens or 1),
         stream=bool(getattr(req, "stream", False)),
         temperature=float(params.temperature),
-        needs_model=_needs_model(kind, req, gens),
+        needs_model=_needs_model(gens),
+        needs_api=_needs_api(kind, req, gens),
         prompts=len(gens),
         generate=gens,
     )
 
 
-def _needs_model(kind: str, req: Any, gens: list[Any]) -> str:
-    """Why an engine that returns only sampled token ids cannot give this answer."""
+def _needs_api(kind: str, req: Any, gens: list[Any]) -> str:
+    """Why an answer cannot be given from sampled token ids (vLLM's derenderer)."""
     if kind in ("responses", "messages"):
         return f"vLLM has no derenderer for the {kind.capitalize()} API"
     if len(gens) > 1:
         return "a completion of several prompts"
     params = gens[0].sampling_params
-    if params.structured_outputs is not None:
-        return "structured output (a grammar) needs a real model"
     if params.logprobs is not None or params.prompt_logprobs is not None:
-        return "logprobs need a real model"
+        return "logprobs need vLLM's API server"
     if params.n > 1:
-        return "n > 1 needs a real model"
+        return "n > 1 needs vLLM's API server"
     if getattr(req, "echo", False):
-        return "echo needs a real engine"
+        return "echo needs vLLM's API server"
+    return ""
+
+
+def _needs_model(gens: list[Any]) -> str:
+    """Why an engine with no model (the simulator) cannot sample this answer."""
+    if gens and gens[0].sampling_params.structured_outputs is not None:
+        return "structured output (a grammar) needs a real model"
     return ""
 
 

@@ -421,7 +421,14 @@ class Gateway:
             identity=ident,
             tenant=state.get("tenant", ""),
             temperature=rendered.temperature,
-            call=EngineCall(path, body, rendered.stream, rendered.needs_model),
+            call=EngineCall(
+                path,
+                body,
+                rendered.stream,
+                rendered.needs_model,
+                rendered.needs_api,
+                rendered.generate[0].sampling_params,
+            ),
             pin_engine=pin,
         )
         if not rendered.stream:

@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from wasma.core.events import EngineStats, KVEvent
 
@@ -59,13 +59,18 @@ class EngineCall:
     hashes), and keeps the body it came as: a remote OpenAI-compatible server is handed
     that body at `path` and its answer goes back byte for byte, which keeps every field
     and stream event exactly the server's. Engines that only take token ids ignore it,
-    and refuse (`ValueError`) a request `needs_model` names: an answer their tokens
-    cannot give (a grammar, logprobs, a Responses or Messages answer)."""
+    and refuse (`ValueError`) what they cannot give: `needs_api` names an answer that
+    token ids alone cannot carry back (logprobs, `n`, a Responses or Messages answer),
+    `needs_model` one that only a real model can sample (a grammar). In-process vLLM
+    engines sample with vLLM's rendered `sampling_params` (every field vLLM honours:
+    penalties, stops, logit bias, structured outputs...)."""
 
     path: str  # e.g. "/v1/chat/completions"
     body: bytes  # the JSON body, as the client sent it
     stream: bool  # the answer is SSE
-    needs_model: str = ""  # why a token-only engine cannot answer it ("" = it can)
+    needs_model: str = ""  # why an engine without a model cannot answer it ("" = it can)
+    needs_api: str = ""  # why an engine answering in token ids cannot ("" = it can)
+    sampling_params: Any = None  # vLLM's SamplingParams, as its renderer built them
 
 
 @dataclass(slots=True)

@@ -151,3 +151,24 @@ def test_bad_requests_get_openai_shaped_4xx(
 def test_metrics_show_both_engines(gateway: ServerThread) -> None:
     text = httpx.get(gateway.url + "/metrics").text
     assert 'engine="vllm0"' in text and 'engine="vllm1"' in text
+
+
+def test_in_process_engines_sample_with_vllms_rendered_parameters(
+    gateway: ServerThread,
+) -> None:
+    """What the renderer made of the request is what the engine samples with: a grammar
+    holds, a stop token stops, and what token ids cannot carry back is a clear 400."""
+    url = gateway.url + "/v1/completions"
+    base = {"model": MODEL, "prompt": "pick one:", "max_tokens": 8, "temperature": 0}
+    choice = httpx.post(
+        url, json={**base, "structured_outputs": {"choice": ["alpha", "beta"]}}, timeout=120
+    )
+    assert choice.status_code == 200, choice.text
+    assert choice.json()["choices"][0]["text"] in ("alpha", "beta")
+    free = httpx.post(url, json={**base, "return_token_ids": True}, timeout=60).json()
+    first = free["choices"][0]["token_ids"][0]
+    stopped = httpx.post(url, json={**base, "stop_token_ids": [first]}, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+    logprobs = httpx.post(url, json={**base, "logprobs": 2}, timeout=60)
+    assert logprobs.status_code == 400 and "logprobs" in logprobs.json()["error"]["message"]
