@@ -354,8 +354,10 @@ def _decision_us(snapshots: list[dict[float, float]]) -> list[float]:
 def _vocab_from_server(url: str, api_key: str | None) -> int | None:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        data = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()
-        vocab = data["data"][0].get("vocab_size")
+        resp = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+        # wasma says it in a header (its body is vLLM's exactly); some servers put it
+        # in the model card.
+        vocab = resp.headers.get("x-wasma-vocab-size") or resp.json()["data"][0].get("vocab_size")
         return int(vocab) if vocab else None
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         return None

@@ -102,6 +102,18 @@ class Admission:
             hash_token_blocks(req.prompt_token_ids, self.block_size),
             now,
             ident.parents,
+            self._pinned_slot(req),
+        )
+
+    def _pinned_slot(self, req: ServiceRequest) -> int | None:
+        if req.pin_engine is None:
+            return None
+        engines = self.dispatch.ctx.state.engines
+        if req.pin_engine in engines:
+            return engines.index(req.pin_engine)
+        raise BadRequest(
+            f"the engine that holds this request's state ({req.pin_engine}) is gone",
+            "previous_response_id",
         )
 
     def place(

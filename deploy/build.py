@@ -95,6 +95,9 @@ class ServiceConfig:
     max_hold_s: float = 300.0
     # How long engines keep the KV of a request the policy marks `retain` (a lease).
     retain_lease_s: float = DEFAULT_RETAIN_S
+    # sim engines: the vocabulary their tokens are drawn from (the gateway's tokenizer's,
+    # so vLLM's derenderer can read them); None: the profile's.
+    sim_vocab_size: int | None = None
 
 
 def resolve_profile(cfg: ServiceConfig) -> Profile:
@@ -144,7 +147,10 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
     if spec.kind == "sim":
         from wasma.engines.sim_engine import SimEngine
 
-        return [SimEngine(f"sim{i}", profile, speed=cfg.sim_speed) for i in range(spec.count)]
+        return [
+            SimEngine(f"sim{i}", profile, speed=cfg.sim_speed, vocab_size=cfg.sim_vocab_size)
+            for i in range(spec.count)
+        ]
     if spec.kind == "openai":
         from wasma.engines.openai_engine import OpenAIEngine
 

@@ -199,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router in the gateway process instead of a Ray actor",
     )
     sv.add_argument(
+        "--shared-router",
+        default=None,
+        metavar="NAME",
+        help="route through the detached Ray actor NAME, shared by every gateway that "
+        "names it (the first creates it): several gateway processes or pods, one "
+        "scheduling state",
+    )
+    sv.add_argument(
         "--sim-speed", type=_positive_float, default=None, help="sim engines: run N x faster"
     )
     sv.add_argument(
@@ -228,6 +236,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve through Ray Serve LLM: --engines vllm:N LLMServer replicas behind Ray's "
         "ingress, placed by wasma's WorkflowRouter (wasma.ray_serve)",
+    )
+    # vLLM's front-end flags, named and meaning what they mean to `vllm serve`: the
+    # gateway renders and derenders with them (give the engines the same ones).
+    sv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="as vllm serve: the tool call parser for the model (e.g. hermes)",
+    )
+    sv.add_argument("--reasoning-parser", default=None, help="as vllm serve: the reasoning parser")
+    sv.add_argument(
+        "--chat-template",
+        default=None,
+        help="as vllm serve: a chat template file (or template text) replacing the model's",
+    )
+    sv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="as vllm serve: let the model decide to call tools (tool_choice auto)",
+    )
+    sv.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="as vllm serve: the context length (default: the model's)",
     )
 
     pl = sub.add_parser("plan", help="plan a KV transfer on a topology", add_help=False)

@@ -84,6 +84,7 @@ class EngineRunner:
             retain_key=req.request_id,
             # Retentions on this engine whose readers have all started ride along.
             release=decision.release,
+            call=req.call,
         )
         self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
         try:
@@ -132,6 +133,13 @@ class EngineRunner:
         """Move `live` off a failed engine: placed again (without the engines now down),
         resubmitted with the prompt plus the tokens already sent, max_tokens reduced."""
         rid = live.req.request_id
+        if live.info is not None and live.info.pinned is not None:
+            raise Unavailable(
+                f"request {rid} can run only on {self.engines[live.info.pinned].name}, "
+                f"which failed: {fault}",
+                None,
+                1.0,
+            )
         while True:
             if live.failovers >= self.config.max_failovers:
                 raise Unavailable(

@@ -13,53 +13,50 @@ import asyncio
 import hmac
 import itertools
 import logging
-import math
 import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wasma.deploy import json_limits
-from wasma.deploy.lifecycle import Lifecycle, lifecycle_refusal
-from wasma.deploy.metadata import MetadataError, workflow_identity
-from wasma.deploy.metrics import handler_of
-from wasma.deploy.openai_api import (
+from wasma.deploy import json_limits, openapi_schema
+from wasma.deploy.api import (
     DONE_EVENT,
-    ApiError,
-    ChatCompletionRequest,
-    ChunkWriter,
-    CompletionRequest,
-    chat_body,
-    completion_body,
-    decode_request,
-    error_body,
-    message_text,
-    models_body,
-    prompt_of,
-    usage,
+    GENERATE_PATHS,
+    LOCAL_PATHS,
+    POOLING_PATHS,
+    ApiAnswer,
+    Rendered,
+    ResponseStore,
+    TokenAnswer,
+    error_answer,
+    local_answer,
+    models_answer,
+    parse_json,
+    render,
+    response_id_of,
 )
+from wasma.deploy.frontend import Frontend
+from wasma.deploy.lifecycle import Lifecycle, lifecycle_refusal
+from wasma.deploy.metadata import MetadataError, WorkflowIdentity, workflow_identity
+from wasma.deploy.metrics import handler_of
 from wasma.deploy.router_client import RouterClient, TokenStream
 from wasma.deploy.service_types import ServiceError, ServiceRequest, tenant_of
-from wasma.deploy.tokenizer import Tokenizer
+from wasma.engines.base import EngineCall
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RouterFactory = Callable[[], Awaitable[RouterClient]]
 HttpKey = tuple[str, int]  # (handler, status): what the edge counts between scrapes
-# A tokenizer reporting this vocabulary does not know it (remote engines, token ids only).
-UNKNOWN_VOCAB = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -83,9 +80,6 @@ class GatewayConfig:
     # so probes and scrapers need no API key and the internet never sees them.
     admin_port: int | None = None
     extra_model_names: tuple[str, ...] = field(default=())
-    # No tokenizer, on purpose: prompts must be token ids (`wasma serve` refuses to start
-    # an openai: gateway with neither this nor --model).
-    token_ids_only: bool = False
 
     @property
     def model(self) -> str:
@@ -122,8 +116,8 @@ class _Edge:
     500s in OpenAI's shape."""
 
     OPEN_PATHS = ("/health", "/live", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc")
-    # The generation endpoints, served straight from here (see Gateway).
-    FAST = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+    # The API endpoints, served straight from here (see Gateway).
+    FAST = frozenset((*GENERATE_PATHS, *LOCAL_PATHS, *POOLING_PATHS))
 
     def __init__(
         self,
@@ -197,7 +191,7 @@ class _Edge:
                 # The key itself is never logged or echoed.
                 await _send_error(
                     send_wrapped,
-                    ApiError(401, "invalid or missing API key", code="invalid_api_key"),
+                    error_answer("invalid or missing API key", 401, "Unauthorized"),
                     extra=[(b"www-authenticate", b"Bearer")],
                 )
                 return
@@ -205,31 +199,49 @@ class _Edge:
         else:
             state["tenant"] = ""
         try:
-            fast = self.FAST.get(path) if scope["method"] == "POST" else None
-            refusal = lifecycle_refusal(self.lifecycle, scope, fast is not None)
+            fast = scope["method"] == "POST" and path in self.FAST
+            refusal = lifecycle_refusal(self.lifecycle, scope, fast)
             if refusal is not None:
                 await _send_error(send_wrapped, refusal[0], extra=refusal[1])
                 return
-            if fast is not None:
+            if fast:
                 gateway: Gateway = scope["app"].state.gw
-                await getattr(gateway, fast)(scope, receive, send_wrapped)
+                await gateway.handle(scope, receive, send_wrapped)
             else:
                 await self.app(scope, receive, send_wrapped)
         except Exception:
             log.exception("unhandled error on %s", path)
             if not started:
-                await _send_error(send_wrapped, ApiError(500, "internal error", code="internal"))
+                await _send_error(
+                    send_wrapped, error_answer("internal error", 500, "InternalServerError")
+                )
 
 
-async def _send_error(send: Send, err: ApiError, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    body = err.body()
+async def _send_error(
+    send: Send, err: ApiAnswer, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    body = err.body
     hdrs = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        *[(k.encode(), v.encode()) for k, v in err.headers().items()],
+        *[(k.encode(), v.encode()) for k, v in err.headers.items()],
         *extra,
     ]
     await send({"type": "http.response.start", "status": err.status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -237,12 +249,14 @@ def _json(body: bytes, status: int = 200, headers: Mapping[str, str] | None = No
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def _api_error(exc: ServiceError) -> ApiError:
-    return ApiError(
-        exc.status,
+def _api_error(exc: ServiceError, anthropic: bool = False) -> ApiAnswer:
+    """A router error (admission 429, no engine 503, a request the engine refused) in
+    vLLM's error shape."""
+    return error_answer(
         exc.message,
+        exc.status,
         param=exc.param,
-        code=exc.code,
+        anthropic=anthropic,
         retry_after_s=exc.retry_after_s,
     )
 
@@ -252,203 +266,217 @@ class _ClientGone(Exception):
 
 
 class Gateway:
-    """The per-app object graph: router client, tokenizer, config, counters; and the
-    two generation endpoints as raw ASGI handlers (the hot path skips the framework's
-    routing, dependency and exception layers, which cost as much as the router itself)."""
+    """The per-app object graph: router client, vLLM's front end, config, counters; and
+    the API endpoints as raw ASGI handlers (the hot path skips the framework's routing,
+    dependency and exception layers, which cost as much as the router itself)."""
 
     DISCONNECT_GRACE_S = 0.25
-    OFFLOAD_CHARS = 8192  # texts at least this long are tokenised off the event loop
 
     def __init__(
         self,
         router: RouterClient,
-        tokenizer: Tokenizer,
+        frontend: Frontend,
         config: GatewayConfig,
         codes: Counter[HttpKey],
     ) -> None:
         self.router = router
-        self.tok = tokenizer
+        self.fe = frontend
         self.cfg = config
         self.codes = codes
         self.created = int(time.time())
-        self._names = set(config.model_names) | set(config.extra_model_names)
-        # One thread: long texts queue for it rather than each taking a core from the
-        # engines, and the tokenizer is never entered by two offloaded calls at once.
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="wasma-tokenize")
+        self.responses = ResponseStore()
 
     def close(self) -> None:
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        pass
 
-    # -- ASGI entry points -----------------------------------------------------------
-    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, chat=False)
-
-    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, chat=True)
-
-    async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+    # -- ASGI entry point ------------------------------------------------------------
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        anthropic = path.startswith("/v1/messages")
         try:
             body = await _read_body(scope, receive, self.cfg.max_body_bytes)
-            sreq, req = await self._parse(scope, body, chat)
-            if not req.stream:
-                await self._unless_gone(receive, self._complete(send, sreq, req, chat))
-            else:
-                # Opening may wait (a request held at the router, a prefill queue): a
-                # client that leaves meanwhile takes its request with it.
-                tstream = await self._unless_gone(receive, self.router.open(sreq))
-                if tstream is not None:
-                    await self._stream(receive, send, tstream, sreq, chat, req)
-        except ApiError as exc:
+            data = parse_json(body)
+            if path in LOCAL_PATHS:
+                await _send_json(send, 200, await local_answer(self.fe, path, data))
+                return
+            if path in POOLING_PATHS:
+                await self._pooling(scope, receive, send, path, body, data)
+                return
+            await self._generate(scope, receive, send, GENERATE_PATHS[path], path, body, data)
+        except ApiAnswer as exc:
             await _send_error(send, exc)
         except ServiceError as exc:
-            await _send_error(send, _api_error(exc))
+            await _send_error(send, _api_error(exc, anthropic))
         except _ClientGone:
             return
 
     # -- request building ------------------------------------------------------------
-    async def _tokenize(self, fn: Callable[[Any], list[int]], arg: Any, chars: int) -> list[int]:
-        """`fn(arg)` on a worker thread when the text is long: a chat template and BPE
-        over tens of kilobytes take milliseconds, during which the event loop would
-        relay no other request's tokens. Short texts stay inline (a thread hop costs
-        more than encoding them)."""
-        if chars < self.OFFLOAD_CHARS:
-            return fn(arg)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, arg)
-
-    async def _parse(self, scope: Scope, body: bytes, chat: bool) -> tuple[ServiceRequest, Any]:
-        req: Any
-        if chat:
-            req = decode_request(body, ChatCompletionRequest)
-            if not req.messages:
-                raise ApiError(400, "messages must not be empty", param="messages")
-            mt = self._check_common(
-                req,
-                req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens,
-                self.cfg.default_chat_max_tokens,
-            )
-            msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-            try:
-                ids = await self._tokenize(
-                    self.tok.chat, msgs, sum(len(m["content"]) for m in msgs)
-                )
-            except ApiError:
-                raise
-            except Exception as exc:  # a template may reject role orders
-                raise ApiError(
-                    400, f"cannot apply the chat template: {exc}", param="messages"
-                ) from None
-        else:
-            req = decode_request(body, CompletionRequest)
-            mt = self._check_common(req, req.max_tokens, self.cfg.default_max_tokens)
-            if req.echo:
-                raise ApiError(400, "echo is not supported", param="echo")
-            prompt = prompt_of(req)
-            if isinstance(prompt, str):
-                ids = await self._tokenize(self.tok.encode, prompt, len(prompt))
-            else:
-                ids = prompt
-        return self._service_request(scope, req, ids, mt), req
-
-    def _check_common(self, req: Any, max_tokens: int | None, default: int) -> int:
-        if req.model is not None and self._names and req.model not in self._names:
-            raise ApiError(
-                404,
-                f"the model {req.model!r} does not exist; this gateway serves {self.cfg.model!r}",
-                param="model",
-                code="model_not_found",
-            )
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        mt = default if max_tokens is None else max_tokens
-        if not 1 <= mt <= self.cfg.max_tokens_limit:
-            raise ApiError(
-                400, f"max_tokens must be in 1..{self.cfg.max_tokens_limit}", param="max_tokens"
-            )
-        if req.temperature is not None and not (
-            math.isfinite(req.temperature) and 0 <= req.temperature <= 2
-        ):
-            raise ApiError(400, "temperature must be in [0, 2]", param="temperature")
-        if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-            raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
-        if req.min_tokens < 0 or req.min_tokens > mt:
-            raise ApiError(400, "min_tokens must be in 0..max_tokens", param="min_tokens")
-        return mt
-
-    def _service_request(
-        self, scope: Scope, req: Any, ids: list[int], max_tokens: int
-    ) -> ServiceRequest:
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if len(ids) > self.cfg.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens, over the limit of {self.cfg.max_prompt_tokens}",
-                param="prompt",
-            )
-        if min(ids) < 0 or max(ids) >= self.tok.vocab_size:
-            raise ApiError(400, f"token ids must be in [0, {self.tok.vocab_size})", param="prompt")
-        self._check_sizes(req)
+    def _identity(self, scope: Scope, data: dict[str, Any], anthropic: bool) -> WorkflowIdentity:
+        self._check_sizes(data, anthropic)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            ident = workflow_identity(
-                headers, {"metadata": req.metadata, "vllm_xargs": req.vllm_xargs}
-            )
+            return workflow_identity(headers, data)
         except MetadataError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        extra: dict[str, object] = {}
-        for key in ("top_p", "seed", "stop", "stop_token_ids"):
-            value = getattr(req, key)
-            if value is not None:
-                extra[key] = value
-        if req.min_tokens:
-            extra["min_tokens"] = req.min_tokens
-        state = scope["state"]
-        return ServiceRequest(
-            request_id=state["request_id"],
-            prompt_token_ids=ids,
-            max_tokens=max_tokens,
-            identity=ident,
-            tenant=state.get("tenant", ""),
-            temperature=1.0 if req.temperature is None else req.temperature,
-            ignore_eos=req.ignore_eos,
-            extra=extra,
-        )
+            raise error_answer(str(exc), 400, param=exc.param, anthropic=anthropic) from None
 
-    def _check_sizes(self, req: Any) -> None:
-        """Bounded fields, so a request's cost stays in proportion to its body limit."""
+    def _check_sizes(self, data: dict[str, Any], anthropic: bool) -> None:
+        """Bounded workflow fields, so a request's cost stays in proportion to its body."""
         cfg = self.cfg
         # vllm_xargs carries agentic_context, a JSON string of up to 8 KiB (metadata.py).
         for name, chars in (("metadata", cfg.max_metadata_value_chars), ("vllm_xargs", 8192)):
-            value = getattr(req, name)
-            if value is None:
+            value = data.get(name)
+            if value is None or not isinstance(value, dict):
                 continue
             if len(value) > cfg.max_metadata_keys:
-                raise ApiError(400, f"{name} has over {cfg.max_metadata_keys} keys", param=name)
+                raise error_answer(
+                    f"{name} has over {cfg.max_metadata_keys} keys", param=name, anthropic=anthropic
+                )
             for key, item in value.items():
                 if len(key) > cfg.max_metadata_key_chars:
-                    raise ApiError(
-                        400,
+                    raise error_answer(
                         f"{name} keys must be at most {cfg.max_metadata_key_chars} chars",
                         param=name,
+                        anthropic=anthropic,
                     )
-                if name == "metadata" and not isinstance(item, str | int | float | bool | None):
-                    raise ApiError(400, f"{name}.{key} must be a string or number", param=name)
                 if isinstance(item, str) and len(item) > chars:
-                    raise ApiError(
-                        400, f"{name}.{key} is over {chars} chars", param=f"{name}.{key}"
+                    raise error_answer(
+                        f"{name}.{key} is over {chars} chars",
+                        param=f"{name}.{key}",
+                        anthropic=anthropic,
                     )
-        stop = req.stop
-        if isinstance(stop, list) and len(stop) > cfg.max_stop:
-            raise ApiError(400, f"at most {cfg.max_stop} stop strings", param="stop")
-        if req.stop_token_ids is not None and len(req.stop_token_ids) > cfg.max_stop:
-            raise ApiError(400, f"at most {cfg.max_stop} stop token ids", param="stop_token_ids")
-        # Values an engine cannot take would fail there, and an engine failing a request
-        # is taken out of rotation: they are the client's error, caught here.
-        vocab = self.tok.vocab_size
-        if req.stop_token_ids and not all(0 <= t < vocab for t in req.stop_token_ids):
-            raise ApiError(400, f"stop token ids must be in [0, {vocab})", param="stop_token_ids")
-        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-            raise ApiError(400, "seed must fit in a signed 64-bit integer", param="seed")
+
+    async def _generate(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        kind: str,
+        path: str,
+        body: bytes,
+        data: dict[str, Any],
+    ) -> None:
+        anthropic = kind == "messages"
+        ident = self._identity(scope, data, anthropic)
+        rendered = await render(self.fe, kind, data)
+        if len(rendered.token_ids) > self.cfg.max_prompt_tokens:
+            raise error_answer(
+                f"the prompt has {len(rendered.token_ids)} tokens, over the limit of "
+                f"{self.cfg.max_prompt_tokens}",
+                param="prompt",
+                anthropic=anthropic,
+            )
+        cfg = self.cfg
+        # The operator's bounds (GatewayConfig), on top of vLLM's own checks.
+        if rendered.max_tokens > cfg.max_tokens_limit and (
+            data.get("max_tokens") is not None
+            or data.get("max_completion_tokens") is not None
+            or data.get("max_output_tokens") is not None
+        ):
+            raise error_answer(
+                f"max_tokens must be at most {cfg.max_tokens_limit}",
+                param="max_tokens",
+                anthropic=anthropic,
+            )
+        for name in ("stop", "stop_sequences", "stop_token_ids"):
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > cfg.max_stop:
+                raise error_answer(
+                    f"at most {cfg.max_stop} {name.replace('_', ' ')}",
+                    param=name,
+                    anthropic=anthropic,
+                )
+        stop_ids = data.get("stop_token_ids")
+        if isinstance(stop_ids, list) and any(not -(2**63) <= t < 2**63 for t in stop_ids):
+            # vLLM accepts any integer here, then fails to hand one past 64 bits to its
+            # engine core: a 500 that counts against the engine's health. Refused first.
+            raise error_answer("stop_token_ids must be 64-bit integers", param="stop_token_ids")
+        state = scope["state"]
+        rid = state["request_id"]
+        pin: str | None = None
+        prev = data.get("previous_response_id") if kind == "responses" else None
+        if isinstance(prev, str):
+            known = self.responses.lookup(prev)
+            if known is not None:
+                # The previous response is this one's parent, and only the engine that
+                # stored it can continue it.
+                pin, wf, node = known
+                if ident.workflow_id is None or ident.workflow_id == wf:
+                    ident = replace(
+                        ident,
+                        workflow_id=wf,
+                        node_id=ident.node_id or rid,
+                        parents=tuple(dict.fromkeys((*ident.parents, node))),
+                        source="previous_response_id"
+                        if ident.workflow_id is None
+                        else ident.source,
+                    )
+        if kind == "responses" and ident.workflow_id is None:
+            # A conversation's first response: the workflow its follow-ups (naming it as
+            # previous_response_id) join as its children.
+            ident = replace(ident, workflow_id=f"resp-{rid}", node_id=rid, source="responses")
+        sreq = ServiceRequest(
+            request_id=rid,
+            prompt_token_ids=rendered.token_ids,
+            max_tokens=rendered.max_tokens,
+            identity=ident,
+            tenant=state.get("tenant", ""),
+            temperature=rendered.temperature,
+            call=EngineCall(
+                path,
+                body,
+                rendered.stream,
+                rendered.needs_model,
+                rendered.needs_api,
+                rendered.generate[0].sampling_params,
+            ),
+            pin_engine=pin,
+        )
+        if not rendered.stream:
+            await self._unless_gone(receive, self._complete(send, sreq, rendered))
+        else:
+            # Opening may wait (a request held at the router, a prefill queue): a
+            # client that leaves meanwhile takes its request with it.
+            tstream = await self._unless_gone(receive, self.router.open(sreq))
+            if tstream is not None:
+                await self._stream(receive, send, tstream, sreq, rendered)
+
+    def _remember(self, rendered: Rendered, sreq: ServiceRequest, engine: str, body: bytes) -> None:
+        if rendered.kind != "responses":
+            return
+        resp_id = response_id_of(body)
+        if resp_id is None:
+            return
+        ident = sreq.identity
+        assert ident.workflow_id is not None  # every Responses request has one (_generate)
+        self.responses.remember(
+            resp_id, engine, ident.workflow_id, ident.node_id or sreq.request_id
+        )
+
+    async def _pooling(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        body: bytes,
+        data: dict[str, Any],
+    ) -> None:
+        """Pooling endpoints go to an engine as they are; placed on the input's tokens
+        where it is text (the same text shares its KV nowhere, but its load counts)."""
+        text = data.get("input", data.get("text", data.get("query", "")))
+        if isinstance(text, list):
+            text = " ".join(t for t in text if isinstance(t, str))
+        ids = list(self.fe.tokenizer.encode(text)) if isinstance(text, str) and text else []
+        state = scope["state"]
+        sreq = ServiceRequest(
+            request_id=state["request_id"],
+            prompt_token_ids=ids or [0],
+            max_tokens=1,
+            identity=self._identity(scope, data, False),
+            tenant=state.get("tenant", ""),
+            call=EngineCall(path, body, False, f"{path} needs an engine that serves it"),
+        )
+        await self._unless_gone(receive, self._complete(send, sreq, None))
 
     # -- responses -------------------------------------------------------------------
     async def _unless_gone(self, receive: Receive, work: Awaitable[T]) -> T | None:
@@ -484,30 +512,26 @@ class Gateway:
                 watcher.cancel()
         return result
 
-    async def _complete(self, send: Send, sreq: ServiceRequest, req: Any, chat: bool) -> None:
+    async def _complete(self, send: Send, sreq: ServiceRequest, rendered: Rendered | None) -> None:
         res = await self.router.complete(sreq)
-        text = res.text or self.tok.decode(res.token_ids)
-        use = usage(len(sreq.prompt_token_ids), len(res.token_ids), res.cached_tokens)
-        ids = res.token_ids if req.return_token_ids else None
-        if chat:
-            body = chat_body(sreq.request_id, self.cfg.model, text, res.finish_reason, use, ids)
+        if res.status:
+            # The engine answered the API request itself: its status and bytes, as sent.
+            status, body = res.status, res.raw
         else:
-            body = completion_body(
-                sreq.request_id,
-                self.cfg.model,
-                text,
-                res.finish_reason,
-                use,
-                ids,
-                sreq.prompt_token_ids if ids is not None else None,
+            assert rendered is not None
+            status = 200
+            body = await TokenAnswer(self.fe, rendered, sreq.request_id).whole(
+                res.token_ids, res.finish_reason, res.cached_tokens
             )
+        if rendered is not None and status == 200:
+            self._remember(rendered, sreq, res.engine, body)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-wasma-engine", res.engine.encode()),
             (b"x-wasma-placement", res.kind.encode()),
         ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def _stream(
@@ -516,21 +540,37 @@ class Gateway:
         send: Send,
         tstream: TokenStream,
         sreq: ServiceRequest,
-        chat: bool,
-        req: Any,
+        rendered: Rendered,
     ) -> None:
-        headers = [
-            (b"content-type", b"text/event-stream"),
-            (b"cache-control", b"no-cache"),
-            (b"x-wasma-engine", tstream.engine.encode()),
-            (b"x-wasma-placement", tstream.kind.encode()),
-        ]
-
         async def pump() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            async for piece in self._sse(tstream, sreq, chat, req):
+            started = False
+            first_raw = b""
+            async for piece, status in self._sse(tstream, sreq, rendered):
+                if not started:
+                    ctype = b"text/event-stream" if status == 200 else b"application/json"
+                    headers = [
+                        (b"content-type", ctype),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-wasma-engine", tstream.engine.encode()),
+                        (b"x-wasma-placement", tstream.kind.encode()),
+                    ]
+                    await send(
+                        {"type": "http.response.start", "status": status, "headers": headers}
+                    )
+                    started = True
+                if len(first_raw) < 4096:
+                    first_raw += piece
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if not started:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")],
+                    }
+                )
             await send({"type": "http.response.body", "body": b""})
+            self._remember(rendered, sreq, tstream.engine, first_raw)
 
         pumping = asyncio.ensure_future(pump())
         watching = asyncio.ensure_future(_wait_disconnect(receive))
@@ -546,39 +586,44 @@ class Gateway:
             log.warning("stream %s failed: %s", sreq.request_id, pumping.exception())
 
     async def _sse(
-        self, tstream: TokenStream, sreq: ServiceRequest, chat: bool, req: Any
-    ) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(sreq.request_id, self.cfg.model, chat, req.return_token_ids)
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        self, tstream: TokenStream, sreq: ServiceRequest, rendered: Rendered
+    ) -> AsyncIterator[tuple[bytes, int]]:
+        """(bytes, HTTP status) pieces: an engine's own answer as it sent it, or vLLM's
+        stream chunks derendered from the engine's token ids."""
+        answer: TokenAnswer | None = None
         n_out = 0
         cached = 0
-        ids: list[int] = []
-        sent_text = ""
+        status = 200
+        passed_through = False  # the engine answers the API request itself
         try:
             async for chunk in tstream:
+                if chunk.status:
+                    status = chunk.status
+                    passed_through = True
+                if passed_through:
+                    if chunk.raw:
+                        yield chunk.raw, status
+                    continue
+                if answer is None:
+                    answer = TokenAnswer(self.fe, rendered, sreq.request_id)
                 if chunk.num_cached_tokens:
                     cached = chunk.num_cached_tokens
                 n_out += len(chunk.token_ids)
-                if chunk.text:
-                    delta = chunk.text
-                else:
-                    # Decode the whole output so far: multi-byte characters split across
-                    # tokens come out whole once their last token arrives.
-                    ids.extend(chunk.token_ids)
-                    full = self.tok.decode(ids)
-                    delta, sent_text = full[len(sent_text) :], full
-                yield writer.delta(
-                    delta, list(chunk.token_ids), chunk.finish_reason if chunk.finished else None
-                )
-            if include_usage:
-                yield writer.usage(usage(len(sreq.prompt_token_ids), n_out, cached))
+                reason = chunk.finish_reason if chunk.finished else None
+                if chunk.token_ids or reason:
+                    yield await answer.chunk(list(chunk.token_ids), reason), status
+            if answer is not None:
+                if answer.include_usage:
+                    usage = (len(sreq.prompt_token_ids), n_out, cached)
+                    yield await answer.chunk([], None, usage), status
+                yield DONE_EVENT, status
         except ServiceError as exc:
-            # Headers are gone already: the error travels as an SSE event, as OpenAI's does.
-            yield writer.error(_api_error(exc))
+            # Headers are gone already: the error travels as an SSE event, as vLLM's does.
+            err = _api_error(exc, rendered.kind == "messages")
+            yield b"data: " + err.body + b"\n\n", status
+            yield DONE_EVENT, status
         finally:
             await tstream.aclose()
-        yield DONE_EVENT
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -589,7 +634,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes")
+            raise error_answer(f"request body exceeds {limit} bytes", 413)
     parts: list[bytes] = []
     size = 0
     while True:
@@ -599,81 +644,21 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes")
+            raise error_answer(f"request body exceeds {limit} bytes", 413)
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
 
 
-_REF = "#/components/schemas/{name}"
-
-
-_ERROR_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-            "required": ["message", "type", "param", "code"],
-        }
-    },
-    "required": ["error"],
-}
-
-
-def _install_openapi(app: FastAPI) -> None:
-    """/openapi.json, with the two generation endpoints (served by the edge's fast path,
-    so FastAPI does not see them) described from their msgspec structs."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            (comp, chat), components = msgspec.json.schema_components(
-                (CompletionRequest, ChatCompletionRequest), ref_template=_REF
-            )
-            doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
-            for path, schema, summary in (
-                ("/v1/completions", comp, "Completions"),
-                ("/v1/chat/completions", chat, "Chat completions"),
-            ):
-                doc.setdefault("paths", {})[path] = {
-                    "post": {
-                        "summary": summary,
-                        "operationId": summary.lower().replace(" ", "_"),
-                        "requestBody": {
-                            "required": True,
-                            "content": {"application/json": {"schema": schema}},
-                        },
-                        "responses": {
-                            "200": {"description": "JSON, or SSE when stream is true"},
-                            "default": {
-                                "description": "an error in OpenAI's shape",
-                                "content": {"application/json": {"schema": _ERROR_SCHEMA}},
-                            },
-                        },
-                    }
-                }
-            app.openapi_schema = doc
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
 def create_app(
     router_factory: RouterFactory,
-    tokenizer: Tokenizer,
+    frontend: Frontend,
     config: GatewayConfig | None = None,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
-    """The gateway app. `router_factory` is awaited once, in the lifespan; with a
-    `lifecycle`, in the background and retried until it succeeds (deploy/lifecycle.py),
-    the app answering 503 + Retry-After meanwhile."""
+    """The gateway app over vLLM's front end for the model. `router_factory` is awaited
+    once, in the lifespan; with a `lifecycle`, in the background and retried until it
+    succeeds (deploy/lifecycle.py), the app answering 503 + Retry-After meanwhile."""
     cfg = config or GatewayConfig()
     codes: Counter[HttpKey] = Counter()
 
@@ -682,7 +667,7 @@ def create_app(
         built: list[Gateway] = []
 
         def on_built(router: RouterClient) -> None:
-            built.append(Gateway(router, tokenizer, cfg, codes))
+            built.append(Gateway(router, frontend, cfg, codes))
             app.state.gw = built[0]
 
         starting: asyncio.Task[None] | None = None
@@ -709,50 +694,36 @@ def create_app(
         lifecycle=lifecycle,
     )
     app.state.lifecycle = lifecycle
+    openapi_schema.install(app)
 
     def gw(request: Request) -> Gateway:
         g: Gateway = request.app.state.gw
         return g
 
-    @app.exception_handler(ApiError)
-    async def _on_api_error(request: Request, exc: ApiError) -> Response:
-        return Response(
-            exc.body(), exc.status, media_type="application/json", headers=exc.headers()
-        )
+    @app.exception_handler(ApiAnswer)
+    async def _on_api_answer(request: Request, exc: ApiAnswer) -> Response:
+        return Response(exc.body, exc.status, media_type="application/json", headers=exc.headers)
 
     @app.exception_handler(ServiceError)
     async def _on_service_error(request: Request, exc: ServiceError) -> Response:
         err = _api_error(exc)
-        return Response(
-            err.body(), err.status, media_type="application/json", headers=err.headers()
-        )
+        return Response(err.body, err.status, media_type="application/json", headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        # vLLM's shape for the framework's own errors (404 on an unknown path, 405).
         status = exc.status_code if exc.status_code >= 400 else 400
-        code = "not_found" if status == 404 else None
+        err = error_answer(str(exc.detail), status)
         return Response(
-            error_body(status, str(exc.detail), None, code),
-            status,
-            media_type="application/json",
-            headers=dict(exc.headers or {}),
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-        return Response(
-            error_body(400, f"invalid request: {errors}", param or None),
-            400,
-            media_type="application/json",
+            err.body, status, media_type="application/json", headers=dict(exc.headers or {})
         )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         g = gw(request)
-        vocab = g.tok.vocab_size if g.tok.vocab_size < UNKNOWN_VOCAB else None
-        return _json(models_body(g.cfg.model, g.created, vocab))
+        return _json(
+            await models_answer(g.fe), headers={"x-wasma-vocab-size": str(g.fe.vocab_size)}
+        )
 
     @app.post("/v1/workflows")
     async def register_workflow(request: Request) -> Response:
@@ -761,11 +732,11 @@ def create_app(
         try:
             data = json_limits.decode(raw)
         except json_limits.JsonTooDeep as exc:
-            raise ApiError(400, f"request body is not acceptable JSON: {exc}") from None
+            raise error_answer(f"request body is not acceptable JSON: {exc}") from None
         except msgspec.DecodeError as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+            raise error_answer(f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise ApiError(400, "a workflow must be a JSON object")
+            raise error_answer("a workflow must be a JSON object")
         status = await g.router.register_workflow(data, request.scope["state"].get("tenant", ""))
         return _json(msgspec.json.encode(status), 201)
 
@@ -779,14 +750,13 @@ def create_app(
 
     if cfg.admin_port is None:
         _admin_routes(app, lambda: gw_of(app))
-    _install_openapi(app)
     return app
 
 
 def gw_of(app: FastAPI) -> Gateway:
     g: Gateway | None = getattr(app.state, "gw", None)
     if g is None:
-        raise ApiError(503, "the gateway is starting", retry_after_s=1.0)
+        raise error_answer("the gateway is starting", 503, retry_after_s=1.0)
     return g
 
 
@@ -803,7 +773,7 @@ def _admin_routes(app: FastAPI, gateway: Callable[[], Gateway]) -> None:
             return _json(b'{"status":"draining"}', 503, headers={"retry-after": "5"})
         try:
             g = gateway()
-        except ApiError:
+        except ApiAnswer:
             why = None if lifecycle is None else lifecycle.start_error
             body = msgspec.json.encode({"status": "starting", "error": why})
             return _json(body, 503, headers={"retry-after": "2"})
@@ -835,11 +805,9 @@ def create_admin_app(main: FastAPI) -> FastAPI:
     (run it on a second server in the same process; it shares `main`'s router)."""
     app = FastAPI(title="wasma admin", version="0.1.0", openapi_url=None, docs_url=None)
 
-    @app.exception_handler(ApiError)
-    async def _on_api_error(request: Request, exc: ApiError) -> Response:
-        return Response(
-            exc.body(), exc.status, media_type="application/json", headers=exc.headers()
-        )
+    @app.exception_handler(ApiAnswer)
+    async def _on_api_answer(request: Request, exc: ApiAnswer) -> Response:
+        return Response(exc.body, exc.status, media_type="application/json", headers=exc.headers)
 
     app.state.lifecycle = getattr(main.state, "lifecycle", None)
     _admin_routes(app, lambda: gw_of(main))

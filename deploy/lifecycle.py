@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from wasma.deploy.openai_api import ApiError
+from wasma.deploy.api import ApiAnswer, error_answer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,17 +120,19 @@ _PROBES = ("/live", "/ready", "/health", "/metrics")
 
 def lifecycle_refusal(
     lifecycle: Lifecycle | None, scope: Any, generation: bool
-) -> tuple[ApiError, list[tuple[bytes, bytes]]] | None:
+) -> tuple[ApiAnswer, list[tuple[bytes, bytes]]] | None:
     """The 503 a request gets while the gateway starts or drains, or None to serve it.
     Probes and scrapes always go through; while draining, so does everything but new
     work (generation, registering workflows), which a draining pod must not accept."""
     if lifecycle is None or scope["path"].startswith(_PROBES):
         return None
     if lifecycle.draining and (generation or scope["method"] == "POST"):
-        err = ApiError(503, "the gateway is shutting down; retry", retry_after_s=1.0)
+        err = error_answer("the gateway is shutting down; retry", 503, retry_after_s=1.0)
         return err, [(b"connection", b"close")]
     if not lifecycle.started and (generation or scope["path"].startswith("/v1/")):
         # The start error (engine addresses) is for the operator: /ready and the log.
-        err = ApiError(503, "the gateway is starting: no engine reachable yet", retry_after_s=2.0)
+        err = error_answer(
+            "the gateway is starting: no engine reachable yet", 503, retry_after_s=2.0
+        )
         return err, []
     return None

@@ -47,6 +47,7 @@ class LiveRequest:
     cancelled: bool = False  # the caller left before the engine finished
     # Output ids sent so far: a request cut mid-stream continues elsewhere from them.
     out_ids: list[int] = field(default_factory=list)
+    raw_sent: bool = False  # a passed-through answer has bytes out already
     failovers: int = 0
     last_s: float = 0.0  # when the request last got a chunk (or was placed)
     # The running wait for this request's next chunk; rescheduled to "now" to pull the
@@ -101,7 +102,10 @@ class RouterStream:
                 chunk = await service.runner.next_chunk(live, self._gen)
                 break
             except EngineFault as fault:
-                if live.failed:
+                if live.failed or (live.req.call is not None and live.raw_sent):
+                    # A passed-through answer half sent cannot be continued elsewhere:
+                    # its bytes are the engine's own, not tokens to resume from.
+                    live.failed = True
                     raise Unavailable(str(fault), None, 1.0) from None
                 # Continue on another engine from the tokens already sent: the client
                 # sees one stream, whatever happened behind it.

@@ -72,10 +72,13 @@ class LocalRouterClient:
 
 
 class RayRouterClient:
-    """The router service inside an async Ray actor (`RouterActor`)."""
+    """The router service inside an async Ray actor (`RouterActor`). A client that
+    does not own the actor (a gateway that joined a shared router) leaves it running
+    when it closes: other gateways still route through it."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, owns: bool = True) -> None:
         self.handle = handle
+        self._owns = owns
         self._channel = ChannelClient(handle)
 
     async def open(self, req: ServiceRequest) -> TokenStream:
@@ -115,5 +118,6 @@ class RayRouterClient:
 
     async def close(self) -> None:
         await self._channel.close()
-        with contextlib.suppress(Exception):
-            await self.handle.close.remote()
+        if self._owns:
+            with contextlib.suppress(Exception):
+                await self.handle.close.remote()

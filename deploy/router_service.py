@@ -223,18 +223,31 @@ class RouterService:
         stream = await self.open(req)
         ids: list[int] = []
         text: list[str] = []
+        raw: list[bytes] = []
+        status = 0
         reason: str | None = None
         try:
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
                 if chunk.text:
                     text.append(chunk.text)
+                if chunk.raw:
+                    raw.append(chunk.raw)
+                if chunk.status:
+                    status = chunk.status
                 if chunk.finished:
                     reason = chunk.finish_reason
         finally:
             await stream.aclose()
         return ServiceResult(
-            stream.engine, stream.kind, ids, reason, stream.cached_tokens, "".join(text)
+            stream.engine,
+            stream.kind,
+            ids,
+            reason,
+            stream.cached_tokens,
+            "".join(text),
+            b"".join(raw),
+            status,
         )
 
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
@@ -249,6 +262,8 @@ class RouterService:
         live.last_s = self.health_check.progress[live.slot] = self.now()
         if chunk.token_ids:
             live.out_ids.extend(chunk.token_ids)
+        if chunk.raw:
+            live.raw_sent = True
         if chunk.finished and chunk.finish_reason != "abort":
             self.health_check.engine_ok(live.slot)
 

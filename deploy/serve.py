@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -35,11 +35,11 @@ from wasma.deploy.build import (
     free_ports,
     resolve_profile,
 )
-from wasma.deploy.gateway import UNKNOWN_VOCAB, GatewayConfig, create_admin_app, create_app
+from wasma.deploy.frontend import Frontend, FrontendError, FrontendOptions
+from wasma.deploy.gateway import GatewayConfig, create_admin_app, create_app
 from wasma.deploy.http_limits import HttpLimits
 from wasma.deploy.lifecycle import DrainingServer, Lifecycle, LifecycleConfig
 from wasma.deploy.router_client import LocalRouterClient, RayRouterClient, RouterClient
-from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from wasma.engines.base import DEFAULT_RETAIN_S, MAX_RETAIN_S
 from wasma.scheduler.calibration import CalibrationConfig
 
@@ -171,27 +171,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-class TokenIdsOnly:
-    """For remote engines whose tokenizer the gateway cannot load: token-id prompts only."""
-
-    vocab_size = UNKNOWN_VOCAB  # the engines validate ids themselves
-
-    def encode(self, text: str) -> list[int]:
-        from wasma.deploy.openai_api import ApiError
-
-        raise ApiError(
-            400,
-            "this gateway has no tokenizer (start it with --model DIR): send token ids",
-            param="prompt",
-        )
-
-    def decode(self, ids: Any) -> str:
-        return ""
-
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode("")
-
-
 def _remote_model(urls: tuple[str, ...]) -> tuple[list[str], str | None]:
     """Model ids served by the first reachable remote, and a local dir holding it."""
     import httpx
@@ -208,46 +187,61 @@ def _remote_model(urls: tuple[str, ...]) -> tuple[list[str], str | None]:
     return [], None
 
 
-def gateway_setup(
-    cfg: ServiceConfig, api_keys: tuple[str, ...], served_name: str | None, gw: Mapping[str, Any]
-) -> tuple[Tokenizer, GatewayConfig]:
-    names: list[str] = []
-    tokenizer: Tokenizer
+# Where `wasma serve --engines sim:N` writes the tiny model whose tokenizer and chat
+# template it renders with (nothing is downloaded).
+SIM_MODEL_DIR = "~/.cache/wasma/tiny-model"
+
+
+def frontend_options(cfg: ServiceConfig, args: argparse.Namespace) -> FrontendOptions:
+    """vLLM's front-end flags for this service: the model directory (a remote engine's
+    own, a local tiny model for sim engines) and the parsers named as `vllm serve`
+    names them."""
     model_dir = cfg.model
+    names: list[str] = []
     if cfg.engines.kind == "openai":
         remote, local = _remote_model(cfg.engines.urls)
         names += remote
         model_dir = model_dir or local
-    if cfg.engines.kind == "sim":
-        tokenizer = ByteTokenizer(resolve_profile(cfg).vocab_size)
-        names.append("wasma-sim")
-    elif model_dir:
-        tokenizer = HFTokenizer(model_dir)
-        names += [model_dir, Path(model_dir).name]
-    elif gw.get("token_ids_only"):
-        tokenizer = TokenIdsOnly()
-    else:
-        # Without the served model's tokenizer every text request would be a 400: say so
-        # now, not once per request.
-        raise ConfigError(
-            "--engines openai: the gateway needs the served model's tokenizer: give --model "
-            "DIR (a directory with its tokenizer files; the chart's model.path), or set "
-            "--config gateway.token_ids_only: true to accept token-id prompts only"
-        )
-    if served_name:
-        names.insert(0, served_name)
+        if model_dir is None:
+            raise ConfigError(
+                "--engines openai: the gateway renders requests with the model's tokenizer "
+                "and chat template: pass --model DIR (the directory the servers loaded)"
+            )
+    if cfg.engines.kind == "sim" and model_dir is None:
+        from wasma.engines.tiny_model import write_tiny_model
+
+        model_dir = str(write_tiny_model(str(Path(SIM_MODEL_DIR).expanduser())))
+    assert model_dir is not None
+    served = getattr(args, "served_model_name", None)
+    if served:
+        names = [served]
+    elif cfg.engines.kind == "sim":
+        names = ["wasma-sim"]
+    return FrontendOptions(
+        model=model_dir,
+        served_model_name=tuple(dict.fromkeys(names)),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        chat_template=getattr(args, "chat_template", None),
+        enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+        max_model_len=getattr(args, "max_model_len", None),
+    )
+
+
+def gateway_setup(
+    cfg: ServiceConfig, api_keys: tuple[str, ...], options: FrontendOptions, gw: Mapping[str, Any]
+) -> GatewayConfig:
     known = {f.name for f in fields(GatewayConfig)} - {"model_names", "api_keys"}
     unknown = set(gw) - known
     if unknown:
         raise ConfigError(
             f"--config gateway: unknown key(s) {sorted(unknown, key=str)}; known: {sorted(known)}"
         )
-    gcfg = GatewayConfig(
-        model_names=tuple(dict.fromkeys(names)) or ("wasma",),
+    return GatewayConfig(
+        model_names=options.served_model_name or (options.model,),
         api_keys=api_keys,
         **dict(gw),
     )
-    return tokenizer, gcfg
 
 
 def calibration_setting(data: Any) -> CalibrationConfig | bool | None:
@@ -278,26 +272,47 @@ def local_router_factory(
     return factory
 
 
-def ray_router_factory(cfg: ServiceConfig) -> Any:
+# The Ray namespace shared routers live in: gateways started anywhere in the cluster
+# find one by its name there.
+SHARED_ROUTER_NAMESPACE = "wasma"
+
+
+def ray_router_factory(cfg: ServiceConfig, shared_name: str | None = None) -> Any:
+    """The router as a Ray actor. With `shared_name`, one detached actor of that name
+    serves every gateway that names it: the first to start creates it, the others join
+    it, so all of them place on one view of workflows, prefixes and loads."""
+
     async def factory() -> RouterClient:
         import ray
 
         actor_cls: Any = ray.remote(RouterActor)
         # An async actor runs its methods as coroutines on one loop; the concurrency cap
         # bounds requests in flight, so set it above the router's own admission limit.
-        handle = actor_cls.options(
-            name="wasma-router",
-            max_concurrency=max((cfg.max_outstanding or 8192) * 2, 1000),
-            num_cpus=0,
-            get_if_exists=False,
+        options: dict[str, Any] = {
+            "name": shared_name or "wasma-router",
+            "max_concurrency": max((cfg.max_outstanding or 8192) * 2, 1000),
+            "num_cpus": 0,
+            "get_if_exists": shared_name is not None,
             # Ray brings a dead router back; it replays the journal (registered DAGs and
             # their progress) and requests in flight got a retryable 503 meanwhile.
-            max_restarts=cfg.router_max_restarts,
-            max_task_retries=0,
-        ).remote(cfg)
+            "max_restarts": cfg.router_max_restarts,
+            "max_task_retries": 0,
+        }
+        if shared_name is not None:
+            # Outlives the gateway that created it: the others still route through it.
+            options |= {"namespace": SHARED_ROUTER_NAMESPACE, "lifetime": "detached"}
+        handle = actor_cls.options(**options).remote(cfg)
         engines = await handle.start.remote()
-        log.info("router actor up with engines %s", engines)
-        return RayRouterClient(handle)
+        log.info("router actor %s up with engines %s", options["name"], engines)
+        if shared_name is not None and len(engines) != cfg.engines.count:
+            log.warning(
+                "shared router %s has %d engines; this gateway's --engines names %d: "
+                "the router's own configuration holds",
+                shared_name,
+                len(engines),
+                cfg.engines.count,
+            )
+        return RayRouterClient(handle, owns=shared_name is None)
 
     return factory
 
@@ -377,9 +392,16 @@ def serve_main(args: argparse.Namespace) -> int:
     life_cfg = _dataclass_from(LifecycleConfig, file_cfg.get("lifecycle") or {}, "lifecycle")
     lifecycle = Lifecycle(life_cfg)
     keys = load_api_keys(args.api_key_file, os.environ)
-    tokenizer, gcfg = gateway_setup(
-        cfg, keys, getattr(args, "served_model_name", None), file_cfg.get("gateway", {})
-    )
+    options = frontend_options(cfg, args)
+    gcfg = gateway_setup(cfg, keys, options, file_cfg.get("gateway", {}))
+    try:
+        frontend = asyncio.run(Frontend.build(options))
+    except FrontendError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.engines.kind == "sim":
+        cfg = replace(cfg, sim_vocab_size=frontend.vocab_size)
+    if getattr(args, "router_in_process", False) and getattr(args, "shared_router", None):
+        raise ConfigError("--shared-router is a Ray actor: it cannot be --router-in-process")
     if getattr(args, "router_in_process", False):
         factory = local_router_factory(cfg, calibration_setting(file_cfg.get("calibration")))
     else:
@@ -389,8 +411,8 @@ def serve_main(args: argparse.Namespace) -> int:
             ray.init(address=args.address)
         else:
             ray.init(include_dashboard=False)
-        factory = ray_router_factory(cfg)
-    app = create_app(factory, tokenizer, gcfg, lifecycle)
+        factory = ray_router_factory(cfg, getattr(args, "shared_router", None))
+    app = create_app(factory, frontend, gcfg, lifecycle)
     if gcfg.admin_port is not None:
         return _serve_two(app, args.host, args.port, gcfg.admin_port, limits, lifecycle)
     log.info(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wasma.deploy.metadata import WorkflowIdentity
+from wasma.engines.base import EngineCall
 
 # -- errors (mapped to HTTP statuses by the gateway; picklable across Ray) -------------
 
@@ -67,6 +68,10 @@ class ServiceRequest:
     temperature: float = 0.0
     ignore_eos: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    # The client's API request, for engines that answer it themselves (pass-through).
+    call: EngineCall | None = None
+    # The engine (by name) that must serve it, whatever the policy prefers.
+    pin_engine: str | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +84,8 @@ class ServiceResult:
     finish_reason: str | None
     cached_tokens: int
     text: str = ""
+    raw: bytes = b""  # a passed-through answer's body, and its HTTP status
+    status: int = 0
 
 
 def tenant_of(api_key: str | None) -> str:

@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from wasma.core.events import EngineStats, KVEvent
 
@@ -51,6 +51,28 @@ def deliver_kv_events(engine: str, sinks: Sequence[KVEventSink], events: Iterabl
                 log.exception("engine %s: KV event sink failed", engine)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """The client's original API request, for engines that answer it themselves.
+
+    The gateway renders every request with vLLM's renderer (the token ids placement
+    hashes), and keeps the body it came as: a remote OpenAI-compatible server is handed
+    that body at `path` and its answer goes back byte for byte, which keeps every field
+    and stream event exactly the server's. Engines that only take token ids ignore it,
+    and refuse (`ValueError`) what they cannot give: `needs_api` names an answer that
+    token ids alone cannot carry back (logprobs, `n`, a Responses or Messages answer),
+    `needs_model` one that only a real model can sample (a grammar). In-process vLLM
+    engines sample with vLLM's rendered `sampling_params` (every field vLLM honours:
+    penalties, stops, logit bias, structured outputs...)."""
+
+    path: str  # e.g. "/v1/chat/completions"
+    body: bytes  # the JSON body, as the client sent it
+    stream: bool  # the answer is SSE
+    needs_model: str = ""  # why an engine without a model cannot answer it ("" = it can)
+    needs_api: str = ""  # why an engine answering in token ids cannot ("" = it can)
+    sampling_params: Any = None  # vLLM's SamplingParams, as its renderer built them
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """One request as an engine receives it."""
@@ -77,6 +99,8 @@ class GenerateRequest:
     # The key the router will release this retention by: its own id for the request,
     # which a failover keeps while the engine sees a new `request_id` ("" = request_id).
     retain_key: str = ""
+    # The client's API request, for engines that pass it through (see `EngineCall`).
+    call: EngineCall | None = None
 
     @property
     def retained_as(self) -> str:
@@ -106,6 +130,10 @@ class TokenChunk:
     finish_reason: str | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit, reported with the first chunk
     text: str = ""
+    # A passed-through answer (`EngineCall`): bytes of the server's response body, and
+    # its HTTP status on the first chunk (0 on the others and on token answers).
+    raw: bytes = b""
+    status: int = 0
 
 
 class EngineClient(ABC):

@@ -27,6 +27,7 @@ import msgspec
 
 from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
+    EngineCall,
     EngineClient,
     GenerateRequest,
     KVEventSink,
@@ -380,6 +381,10 @@ class OpenAIEngine(EngineClient):
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        if request.call is not None:
+            async for piece in self._forward(request, request.call):
+                yield piece
+            return
         content = _JSON_ENCODER.encode(self._body(request))
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
         # The finishing chunk is held back until the usage event that follows it (it
@@ -406,6 +411,93 @@ class OpenAIEngine(EngineClient):
         if last is None:
             raise RemoteEngineError(f"{self.name}: stream ended without finishing")
         yield last
+
+    def _call_body(self, request: GenerateRequest, call: EngineCall) -> bytes:
+        """The client's body, with the router's retention tags merged into its
+        `vllm_xargs` (read by wasma's retaining scheduler) where it asks for any."""
+        xargs = request.retention_args()
+        if not xargs:
+            return call.body
+        body = _JSON_DECODER.decode(call.body)
+        own = body.get("vllm_xargs")
+        body["vllm_xargs"] = {**own, **xargs} if isinstance(own, dict) else xargs
+        return _JSON_ENCODER.encode(body)
+
+    async def _forward(
+        self, request: GenerateRequest, call: EngineCall
+    ) -> AsyncIterator[TokenChunk]:
+        """Pass the client's request through: the server's status and body bytes come
+        back as they are (an error too: a 4xx is the server's answer, not its fault).
+        The first chunk carries the status; the last one is `finished`."""
+        content = self._call_body(request, call)
+        headers = {"x-request-id": request.request_id, "content-type": "application/json"}
+        if self._aio is not None:
+            async for piece in self._forward_aio(call, content, headers):
+                yield piece
+            return
+        try:
+            async with self._http.stream(
+                "POST", call.path, content=content, headers=headers
+            ) as resp:
+                status = resp.status_code
+                if status >= 500:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
+                if status >= 400 or not call.stream:
+                    body = await resp.aread()
+                    yield TokenChunk((), True, "stop", raw=body, status=status)
+                    return
+                first = True
+                async for part in resp.aiter_raw():
+                    if part:
+                        yield TokenChunk((), False, raw=part, status=status if first else 0)
+                        first = False
+                yield TokenChunk((), True, "stop", status=status if first else 0)
+        except httpx.HTTPError as exc:
+            raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+    async def _forward_aio(
+        self, call: EngineCall, content: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[TokenChunk]:
+        """`_forward` over the aiohttp session (its C parser: the pass-through is the
+        gateway's hot path for remote engines)."""
+        import aiohttp
+
+        url = self.base_url + call.path
+        try:
+            answer = await self._post_aio(url, content, headers)
+            async with answer:
+                status = answer.status
+                if status >= 500:
+                    text = await answer.text(errors="replace")
+                    raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
+                if status >= 400 or not call.stream:
+                    body = await answer.read()
+                    yield TokenChunk((), True, "stop", raw=body, status=status)
+                    return
+                first = True
+                async for part in answer.content.iter_any():
+                    if part:
+                        yield TokenChunk((), False, raw=part, status=status if first else 0)
+                        first = False
+                yield TokenChunk((), True, "stop", status=status if first else 0)
+        except aiohttp.ClientError as exc:
+            raise RemoteEngineError(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise RemoteEngineError(f"{self.name}: timed out: {exc}") from exc
+
+    async def _post_aio(self, url: str, content: bytes, headers: dict[str, str]) -> Any:
+        import aiohttp
+
+        for attempt in (0, 1):
+            try:
+                return await self._aio.post(url, data=content, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the server closed just as it was
+                # reused: nothing reached the engine, so sending again is safe.
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _check_status(self, status: int, text: str) -> None:
         if status < 400:
@@ -434,18 +526,8 @@ class OpenAIEngine(EngineClient):
         import aiohttp
 
         url = self.base_url + "/v1/completions"
-        answer: Any = None
         try:
-            for attempt in (0, 1):
-                try:
-                    answer = await self._aio.post(url, data=content, headers=headers)
-                except aiohttp.ServerDisconnectedError:
-                    # A pooled keep-alive connection the server closed just as it was
-                    # reused: nothing reached the engine, so sending again is safe.
-                    if attempt:
-                        raise
-                    continue
-                break
+            answer = await self._post_aio(url, content, headers)
             async with answer:
                 if answer.status >= 400:
                     self._check_status(answer.status, await answer.text(errors="replace"))

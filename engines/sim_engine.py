@@ -206,6 +206,9 @@ class SimEngine(EngineClient):
     # -- EngineClient ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         self._ensure_running()
+        if request.call is not None and (request.call.needs_model or request.call.needs_api):
+            why = request.call.needs_model or request.call.needs_api
+            raise ValueError(f"a simulated engine cannot answer this request: {why}")
         prompt = request.prompt_token_ids
         if request.max_tokens <= 0:
             raise ValueError("max_tokens must be positive")

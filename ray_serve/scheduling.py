@@ -6,9 +6,10 @@ actor, and wasma does the same with its whole scheduling core: the router, the p
 the workflow registry, the prefix index and the engines' loads live here, in one
 `SchedulingState` that runs as a Ray actor (`SchedulingActor`).
 
-Prompts are placed on token blocks, as everywhere in wasma: the state renders a chat
-request with the model's own tokenizer and chat template, hashes its full blocks with the
-chain hash the gateway uses (`scheduler.tokens.hash_token_blocks`) and, once a replica
+Prompts are placed on token blocks, as everywhere in wasma: the state renders a chat or
+completion request with vLLM's own renderer over the model's tokenizer and chat template
+(the ids the replica's engine will cache, tools and all), hashes its full blocks with the
+chain hash the gateway uses (`core.tokens.hash_token_blocks`) and, once a replica
 is chosen, records those blocks as that replica's (the replica will hold them once it
 runs the prompt; vLLM's prefix cache keeps them). Replicas are engines named by their
 Serve replica id; the set follows what Serve offers each decision.
@@ -16,17 +17,20 @@ Serve replica id; the set follows what Serve offers each decision.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from wasma.core.events import BlockStored
 from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
+from wasma.deploy.api import ApiAnswer, Rendered, render
+from wasma.deploy.frontend import Frontend, FrontendOptions
 from wasma.deploy.metadata import MetadataError, workflow_identity
-from wasma.deploy.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherConfig
 
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are
@@ -45,38 +49,6 @@ class Decision:
     request_id: str
 
 
-def prompt_of(body: Mapping[str, Any]) -> list[dict[str, str]] | str | list[int] | None:
-    """The prompt of a chat or completion body: messages (text parts joined, as Ray's
-    prefix router reads them), a prompt string, or token ids; None if it has none."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        out = []
-        for m in messages:
-            if isinstance(m, Mapping):
-                out.append({"role": str(m.get("role", "user")), "content": _text(m.get("content"))})
-        return out
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt[0], str):  # a batch of prompts shares the first's placement
-            return prompt[0]
-    return None
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(_text(v) for v in value)
-    if isinstance(value, Mapping):
-        text = value.get("text")
-        return text if isinstance(text, str) else _text(value.get("content"))
-    return ""
-
-
 class SchedulingState:
     """wasma's scheduling core over Serve replicas: place, and hear back finishes."""
 
@@ -87,10 +59,30 @@ class SchedulingState:
         model: str | None = None,
         params: Mapping[str, Any] | None = None,
         block_size: int | None = None,
+        frontend: Mapping[str, Any] | None = None,
     ) -> None:
         prof = load_profile(profile)
         self.block_size = block_size or prof.block_size
-        self.tokenizer: Tokenizer = HFTokenizer(model) if model else ByteTokenizer()
+        if model is None:
+            # No model named (a state built outside Serve): the tiny local model's
+            # tokenizer and template, as `wasma serve --engines sim:N` renders with.
+            from wasma.deploy.serve import SIM_MODEL_DIR
+            from wasma.engines.tiny_model import write_tiny_model
+
+            model = str(write_tiny_model(str(Path(SIM_MODEL_DIR).expanduser())))
+        flags = dict(frontend or {})
+        self.frontend = Frontend.build_sync(
+            FrontendOptions(
+                model=model,
+                tool_call_parser=flags.get("tool_call_parser"),
+                reasoning_parser=flags.get("reasoning_parser"),
+                chat_template=flags.get("chat_template"),
+                enable_auto_tool_choice=bool(flags.get("enable_auto_tool_choice", False)),
+                max_model_len=flags.get("max_model_len"),
+            )
+        )
+        # The renderer is async; this state's methods run on a Ray actor's thread.
+        self._loop = asyncio.new_event_loop()
         self.policy_name = policy
         # The one scheduling core every front end runs; replicas join as Serve offers them.
         self.dispatch = Dispatcher(
@@ -145,10 +137,10 @@ class SchedulingState:
             # Its replica went away before it was sent: release the charge, place anew.
             self.ctx.state.on_finish(internal_id)
         ident = workflow_identity(headers, body)
-        prompt = prompt_of(body)
-        if prompt is None:
+        rendered = self._render(body)
+        if rendered is None:
             return None
-        ids = self._tokens(prompt)
+        ids = rendered.token_ids
         self._sync_replicas(candidates)
         now = self.now()
         if ident.workflow_id is None:
@@ -156,7 +148,6 @@ class SchedulingState:
         else:
             wkey, node = ident.workflow_id, ident.node_id or request_id
         wst = self.dispatch.open_request(wkey, ident.app, ident.deadline_s, now, track=False)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
         hashes = hash_token_blocks(ids, self.block_size)
         info = Dispatcher.request_info(
             internal_id,
@@ -164,7 +155,7 @@ class SchedulingState:
             node,
             wst,
             len(ids),
-            int(max_tokens) if isinstance(max_tokens, int) else 256,
+            rendered.max_tokens,
             hashes,
             now,
             ident.parents,
@@ -181,12 +172,18 @@ class SchedulingState:
         self._sweep(now)
         return replica
 
-    def _tokens(self, prompt: list[dict[str, str]] | str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.chat(prompt)
-        return [int(t) for t in prompt]  # type: ignore[arg-type]
+    def _render(self, body: Mapping[str, Any]) -> Rendered | None:
+        """The request as vLLM's renderer gives it to the engine; None for a call with
+        no prompt or a body vLLM refuses (the replica answers it with vLLM's error)."""
+        kind = "chat" if "messages" in body else "completion" if "prompt" in body else None
+        if kind is None:
+            return None
+        # The replica checks the model name; placement only needs the prompt's ids.
+        data = {**body, "model": self.frontend.model_name}
+        try:
+            return self._loop.run_until_complete(render(self.frontend, kind, data))
+        except ApiAnswer:
+            return None
 
     def _remember(self, request_id: str, internal_id: str, decision: Decision) -> None:
         self._decisions[request_id] = decision
@@ -243,4 +240,4 @@ class SchedulingState:
         return {load.name: load.outstanding for load in self.ctx.state.loads}
 
 
-__all__ = ["Decision", "MetadataError", "SchedulingState", "prompt_of"]
+__all__ = ["Decision", "MetadataError", "SchedulingState"]

@@ -302,6 +302,7 @@ class Dispatcher:
         block_hashes: Sequence[int],
         now: float,
         parents: tuple[str, ...] = (),
+        pinned: int | None = None,
     ) -> RequestInfo:
         """What the policy places, for a request of workflow `wst`."""
         return RequestInfo(
@@ -315,6 +316,7 @@ class Dispatcher:
             arrival_s=now,
             deadline_s=wst.deadline_s,
             parents=parents,
+            pinned=pinned,
         )
 
     def place(self, info: RequestInfo, now: float, force: bool = False) -> Dispatch:

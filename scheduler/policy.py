@@ -40,6 +40,9 @@ class RequestInfo:
     arrival_s: float  # when the request reached the router
     deadline_s: float = float("inf")  # absolute time its workflow must finish by
     parents: tuple[str, ...] = ()  # node ids this request waited for
+    # The engine slot this request must run on whatever the policy prefers (a Responses
+    # request naming a `previous_response_id`: only that engine's store holds it).
+    pinned: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

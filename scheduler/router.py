@@ -11,7 +11,13 @@ from collections import deque
 from dataclasses import replace
 
 from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from wasma.scheduler.policy import Placement, Policy, PolicyContext, RequestInfo
+from wasma.scheduler.policy import (
+    Placement,
+    PlacementKind,
+    Policy,
+    PolicyContext,
+    RequestInfo,
+)
 from wasma.scheduler.retention import RetentionTracker
 from wasma.scheduler.state import Charge
 
@@ -34,6 +40,16 @@ class Router:
         t0 = time.perf_counter_ns()
         placement = self.policy.place(req, now)
         self.decision_us.append((time.perf_counter_ns() - t0) / 1000)
+        if req.pinned is not None and placement.engine != req.pinned:
+            # Only the pinned engine can answer: it recomputes what it lacks, now.
+            placement = replace(
+                placement,
+                engine=req.pinned,
+                kind=PlacementKind.RECOMPUTE,
+                hit_blocks=0,
+                transfer=None,
+                defer=False,
+            )
         if placement.defer:
             if not force:
                 return placement

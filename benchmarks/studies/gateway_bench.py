@@ -36,6 +36,8 @@ from wasma.deploy.serve import free_port
 
 PROMPT_TTFT = 256
 PROMPT_TPUT = 64
+# Prompt ids stay inside the tiny model's vocabulary the sim gateway renders with.
+VOCAB_IDS = 1700
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
@@ -85,7 +87,7 @@ async def _load(host: str, port: int, connections: int, duration_s: float) -> di
             port,
             "/v1/completions",
             {
-                "prompt": [(i * 7919 + j) % 50_000 + 300 for j in range(PROMPT_TPUT)],
+                "prompt": [(i * 7919 + j) % VOCAB_IDS + 300 for j in range(PROMPT_TPUT)],
                 "max_tokens": 4,
                 "ignore_eos": True,
             },
@@ -148,7 +150,7 @@ async def _ttft_direct(n: int, speed: float) -> list[float]:
     eng = SimEngine("direct", load_profile("llama3-8b-h100"), speed=speed)
     out = []
     for i in range(n):
-        prompt = [(i * 131 + j) % 50_000 + 300 for j in range(PROMPT_TTFT)]
+        prompt = [(i * 131 + j) % VOCAB_IDS + 300 for j in range(PROMPT_TTFT)]
         t0 = time.perf_counter()
         gen: Any = eng.generate(GenerateRequest(f"d{i}", prompt, 8))
         await gen.__anext__()
@@ -163,7 +165,7 @@ async def _ttft_gateway(host: str, port: int, n: int) -> list[float]:
     reader, writer = await asyncio.open_connection(host, port)
     out = []
     for i in range(n):
-        prompt = [(i * 131 + j) % 50_000 + 300 for j in range(PROMPT_TTFT)]
+        prompt = [(i * 131 + j) % VOCAB_IDS + 300 for j in range(PROMPT_TTFT)]
         data = _request(
             host, port, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "stream": True}
         )
@@ -188,11 +190,13 @@ async def _ttft_gateway(host: str, port: int, n: int) -> list[float]:
 # -- orchestration ------------------------------------------------------------------
 
 
-def _start_gateway(engines: int, speed: float, inproc: bool) -> tuple[subprocess.Popen[bytes], int]:
+def _start_gateway(
+    engines: int, speed: float, inproc: bool, extra: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "wasma.deploy.cli", "serve", "--engines", f"sim:{engines}",
-        "--policy", "wasma", "--port", str(port), "--sim-speed", str(speed),
+        "--policy", "wasma", "--port", str(port), "--sim-speed", str(speed), *(extra or []),
     ]  # fmt: skip
     if inproc:
         cmd.append("--router-in-process")
@@ -287,6 +291,63 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_shared(gateways: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput through `gateways` gateway processes over one shared router actor
+    (one Ray cluster), the client's connections split evenly among them."""
+    import ray
+
+    # The cluster is this process's (as tests/deploy/test_shared_router.py starts it):
+    # both gateways join it by its GCS address.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
+    procs: list[tuple[subprocess.Popen[bytes], int]] = []
+    try:
+        for _ in range(gateways):
+            procs.append(
+                _start_gateway(
+                    args.engines,
+                    1000.0,
+                    False,
+                    ["--address", address, "--shared-router", "wasma-bench"],
+                )
+            )
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        per = max(1, args.connections // gateways)
+        # Warm up every gateway first (its channel to the router, the renderer).
+        warm = [
+            ctx.Process(target=_load_proc, args=("127.0.0.1", port, per, 2.0, q))
+            for _, port in procs
+        ]
+        for p in warm:
+            p.start()
+        for _ in warm:
+            q.get()
+        for p in warm:
+            p.join()
+        loads = [
+            ctx.Process(target=_load_proc, args=("127.0.0.1", port, per, args.duration, q))
+            for _, port in procs
+        ]
+        for p in loads:
+            p.start()
+        parts = [q.get() for _ in loads]
+        for p in loads:
+            p.join()
+        total = sum(r["requests"] for r in parts)
+        wall = max(r["wall_s"] for r in parts)
+        return {
+            "gateways": gateways,
+            "requests": total,
+            "errors": sum(r["errors"] for r in parts),
+            "req_per_s": round(total / wall, 1),
+        }
+    finally:
+        for proc, _ in procs:
+            _stop(proc)
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -296,12 +357,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--ttft-requests", type=int, default=300)
     ap.add_argument("--mode", choices=["inproc", "ray", "both"], default="both")
+    ap.add_argument(
+        "--gateways",
+        type=int,
+        default=0,
+        help="also measure throughput through this many gateway processes sharing one "
+        "router (--shared-router on one Ray cluster)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     modes = ["inproc", "ray"] if args.mode == "both" else [args.mode]
     # The machine may be shared: the load average says how much the figures are worth.
     results: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
     results["runs"] = [run_mode(m, args) for m in modes]
+    if args.gateways:
+        results["shared"] = [run_shared(n, args) for n in sorted({1, args.gateways})]
     results["loadavg_after"] = os.getloadavg()
     text = json.dumps(results, indent=2)
     print(text)

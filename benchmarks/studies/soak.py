@@ -30,12 +30,13 @@ import psutil
 from wasma.benchmarks.apps import generate
 from wasma.benchmarks.replay import Replayer
 from wasma.core.profile import load_profile
+from wasma.deploy.build import EngineSpec, ServiceConfig
+from wasma.deploy.frontend import Frontend
 from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
-from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.deploy.serve import ServerThread, frontend_options
 from wasma.engines.sim_engine import SimEngine
 
 
@@ -44,7 +45,15 @@ class SoakServer:
 
     def __init__(self, engines: int, speed: float, profile_name: str) -> None:
         self.profile = load_profile(profile_name)
-        self.engines = [SimEngine(f"sim{i}", self.profile, speed=speed) for i in range(engines)]
+        # vLLM's front end over the local tiny model, as `wasma serve --engines sim:N`.
+        options = frontend_options(
+            ServiceConfig(engines=EngineSpec.parse(f"sim:{engines}")), argparse.Namespace()
+        )
+        frontend = asyncio.run(Frontend.build(options))
+        self.engines = [
+            SimEngine(f"sim{i}", self.profile, speed=speed, vocab_size=frontend.vocab_size)
+            for i in range(engines)
+        ]
         self.loop: asyncio.AbstractEventLoop | None = None
         self.service: RouterService | None = None
 
@@ -65,7 +74,7 @@ class SoakServer:
             await self.service.start()
             return LocalRouterClient(self.service)
 
-        app = create_app(factory, ByteTokenizer(self.profile.vocab_size), GatewayConfig())
+        app = create_app(factory, frontend, GatewayConfig(model_names=("wasma-sim",)))
         self.server = ServerThread(app)
 
     def call(self, fn: Callable[[], None]) -> None:

@@ -28,9 +28,9 @@ from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
 from wasma.deploy.service_types import BadRequest, NotFound, ServiceRequest, Unavailable
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk, launch_all
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
 from wasma.scheduler.workflow import Workflow
@@ -44,9 +44,9 @@ FAST: dict[str, Any] = {
 }
 
 
-def _engines(n: int, speed: float = 20.0) -> list[SimEngine]:
+def _engines(n: int, speed: float = 20.0, vocab_size: int | None = None) -> list[SimEngine]:
     profile = load_profile("llama3-8b-h100")
-    return [SimEngine(f"s{i}", profile, speed=speed) for i in range(n)]
+    return [SimEngine(f"s{i}", profile, speed=speed, vocab_size=vocab_size) for i in range(n)]
 
 
 @pytest.fixture
@@ -313,8 +313,8 @@ class _Chaos:
     """A gateway over three sim engines whose loop the test can reach (the engines' fault
     hooks must run on the server's event loop)."""
 
-    def __init__(self, n: int = 3, speed: float = 10.0) -> None:
-        self.engines = _engines(n, speed)
+    def __init__(self, frontend: Any, n: int = 3, speed: float = 10.0) -> None:
+        self.engines = _engines(n, speed, frontend.vocab_size)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.service: RouterService | None = None
 
@@ -328,7 +328,7 @@ class _Chaos:
             return LocalRouterClient(svc)
 
         self.server = ServerThread(
-            create_app(factory, ByteTokenizer(), GatewayConfig(model_names=("wasma-sim",)))
+            create_app(factory, frontend, GatewayConfig(model_names=("wasma-sim",)))
         )
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -337,15 +337,15 @@ class _Chaos:
 
 
 @pytest.fixture
-def chaos() -> Iterator[_Chaos]:
-    c = _Chaos()
+def chaos(sim_frontend: Any) -> Iterator[_Chaos]:
+    c = _Chaos(sim_frontend)
     with c.server:
         yield c
 
 
 async def test_chaos_kill_one_of_three_engines_during_replay(chaos: _Chaos) -> None:
     wfs = [_mapreduce(i, 0.05 * i) for i in range(12)]
-    rep = Replayer(url=chaos.server.url, workflows=wfs, vocab_size=128_256, progress=False)
+    rep = Replayer(url=chaos.server.url, workflows=wfs, vocab_size=VOCAB_SIZE, progress=False)
 
     async def kill_when_busy() -> None:
         svc = chaos.service
@@ -427,7 +427,7 @@ def test_a_torn_journal_line_loses_only_itself(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, sim_frontend: Any
 ) -> None:
     pytest.importorskip("vllm")
     from wasma.engines.tiny_model import VOCAB_SIZE, write_tiny_model
@@ -455,7 +455,7 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         holder.update(loop=asyncio.get_running_loop(), svc=svc)
         return LocalRouterClient(svc)
 
-    app = create_app(factory, ByteTokenizer(VOCAB_SIZE), GatewayConfig(model_names=("tiny",)))
+    app = create_app(factory, sim_frontend, GatewayConfig(model_names=("tiny",)))
     srv = ServerThread(app)
     srv.start(timeout_s=300)
     try:
@@ -483,10 +483,12 @@ async def test_chaos_kill_one_of_two_vllm_engines_during_replay(
         srv.stop()
 
 
-def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -> None:
+def test_ray_restarts_a_killed_router_actor_with_its_workflows(
+    tmp_path: Path, sim_frontend: Any
+) -> None:
     ray = pytest.importorskip("ray")
     from wasma.deploy.build import EngineSpec, ServiceConfig
-    from wasma.deploy.serve import gateway_setup, ray_router_factory
+    from wasma.deploy.serve import ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -495,9 +497,10 @@ def test_ray_restarts_a_killed_router_actor_with_its_workflows(tmp_path: Path) -
             sim_speed=100.0,
             journal=str(tmp_path / "journal.jsonl"),
             router_max_restarts=2,
+            sim_vocab_size=sim_frontend.vocab_size,
         )
-        tok, gcfg = gateway_setup(cfg, (), None, {})
-        with ServerThread(create_app(ray_router_factory(cfg), tok, gcfg)) as srv:
+        gcfg = GatewayConfig(model_names=("wasma-sim",))
+        with ServerThread(create_app(ray_router_factory(cfg), sim_frontend, gcfg)) as srv:
             node = {"parents": [], "output_tokens": 3, "prompt": [{"unique": 8}]}
             nodes = [{**node, "id": "a"}, {**node, "id": "b", "parents": ["a"]}]
             dag = {"workflow_id": "w", "deadline_s": 60.0, "nodes": nodes}

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wasma.deploy.build import EngineSpec, ServiceConfig
-from wasma.deploy.gateway import create_app
-from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
+from wasma.deploy.gateway import GatewayConfig, create_app
+from wasma.deploy.serve import ServerThread, local_router_factory
+from wasma.engines.tiny_model import VOCAB_SIZE
 
 KEY = "fuzz-key-0123456789"
 ENDPOINTS = [
@@ -31,10 +32,15 @@ ENDPOINTS = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=200.0)
-    tok, gcfg = gateway_setup(cfg, (KEY,), None, {"max_body_bytes": 65536})
-    with ServerThread(create_app(local_router_factory(cfg), tok, gcfg)) as srv:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse("sim:2"),
+        policy="wasma",
+        sim_speed=200.0,
+        sim_vocab_size=VOCAB_SIZE,
+    )
+    gcfg = GatewayConfig(model_names=("wasma-sim",), api_keys=(KEY,), max_body_bytes=65536)
+    with ServerThread(create_app(local_router_factory(cfg), sim_frontend, gcfg)) as srv:
         yield srv
 
 

@@ -22,10 +22,10 @@ from wasma.deploy.gateway import GatewayConfig, create_app
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
-from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
-from wasma.deploy.tokenizer import ByteTokenizer
+from wasma.deploy.serve import ServerThread, local_router_factory
 from wasma.engines.base import EngineClient, GenerateRequest, KVEventSink, TokenChunk
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 from wasma.scheduler.policy import Placement, PlacementKind, Policy, RequestInfo
 from wasma.scheduler.registry import PolicyRegistry
 
@@ -34,10 +34,15 @@ MODEL = "wasma-sim"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=100.0)
-    tok, gcfg = gateway_setup(cfg, (KEY_A, KEY_B), None, {})
-    with ServerThread(create_app(local_router_factory(cfg), tok, gcfg)) as srv:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse("sim:2"),
+        policy="wasma",
+        sim_speed=100.0,
+        sim_vocab_size=VOCAB_SIZE,
+    )
+    gcfg = GatewayConfig(model_names=(MODEL,), api_keys=(KEY_A, KEY_B))
+    with ServerThread(create_app(local_router_factory(cfg), sim_frontend, gcfg)) as srv:
         yield srv
 
 
@@ -70,7 +75,7 @@ def _wait(pred: Callable[[], bool], timeout: float = 10.0) -> None:
 # -- happy paths through the openai client ---------------------------------------------
 
 
-def test_completion_non_streaming(client: openai.OpenAI) -> None:
+def test_completion_non_streaming(client: openai.OpenAI, server: ServerThread) -> None:
     raw = client.completions.with_raw_response.create(
         model=MODEL,
         prompt="The planner says: ",
@@ -84,7 +89,13 @@ def test_completion_non_streaming(client: openai.OpenAI) -> None:
     assert comp.object == "text_completion" and comp.model == MODEL
     assert comp.choices[0].finish_reason == "length"
     assert comp.usage is not None and comp.usage.completion_tokens == 7
-    assert comp.usage.prompt_tokens == len(b"The planner says: ")
+    # The prompt's tokens as vLLM's renderer counts them (the tiny model's tokenizer).
+    ids = httpx.post(
+        server.url + "/tokenize",
+        json={"model": MODEL, "prompt": "The planner says: "},
+        headers=_auth(),
+    ).json()["tokens"]
+    assert comp.usage.prompt_tokens == len(ids)
 
 
 def test_completion_streaming_with_usage(client: openai.OpenAI) -> None:
@@ -152,7 +163,7 @@ def test_models_health_and_metrics(server: ServerThread, client: openai.OpenAI) 
 
 
 def test_child_extending_parent_context_reuses_parents_engine(client: openai.OpenAI) -> None:
-    parent_prompt = [400 + (i * 37) % 5000 for i in range(300)]
+    parent_prompt = [400 + (i * 37) % 1500 for i in range(300)]  # in the tiny vocabulary
     headers = {"x-wasma-workflow-id": "wf-reuse", "x-wasma-app": "pipeline"}
     raw = client.completions.with_raw_response.create(
         model=MODEL,
@@ -269,7 +280,7 @@ def test_missing_or_wrong_api_key_is_401(server: ServerThread) -> None:
             headers={**headers, "x-request-id": "r401"},
         )
         err = _assert_openai_error(resp, 401)
-        assert err["type"] == "authentication_error"
+        assert err["type"] == "Unauthorized"  # vLLM's type names are HTTP phrases
         assert resp.headers["x-request-id"] == "r401"
         assert KEY_A not in resp.text
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
@@ -281,23 +292,21 @@ def test_missing_or_wrong_api_key_is_401(server: ServerThread) -> None:
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "body.max_tokens"),
         ("/v1/completions", {"max_tokens": 3}, 400, None),
-        ("/v1/completions", {"prompt": [], "max_tokens": 3}, 400, "prompt"),
-        ("/v1/completions", {"prompt": [1, "a"], "max_tokens": 3}, 400, "prompt"),
-        ("/v1/completions", {"prompt": [-1, 5], "max_tokens": 3}, 400, "prompt"),
-        ("/v1/completions", {"prompt": [10**9], "max_tokens": 3}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
-        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"prompt": [], "max_tokens": 3}, 400, None),
+        ("/v1/completions", {"prompt": [1, "a"], "max_tokens": 3}, 400, "body.prompt.1"),
+        ("/v1/completions", {"prompt": [-1, 5], "max_tokens": 3}, 400, "body.prompt.0"),
+        ("/v1/completions", {"prompt": [10**9], "max_tokens": 3}, 400, None),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "body.seed"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
         ("/v1/completions", {"prompt": "x", "temperature": 9}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-5"}, 404, "model"),
         ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 200_000}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": [300] * 70_000, "max_tokens": 65_000}, 400, "prompt"),
-        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/completions", {"prompt": [300] * 70_000, "max_tokens": 65_000}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": []}, 400, None),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, None),
-        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "body.messages"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
@@ -366,9 +375,26 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
 
-def test_client_disconnect_aborts_engine_work(server: ServerThread) -> None:
+@pytest.fixture(scope="module")
+def slow_server(sim_frontend: Any) -> Iterator[ServerThread]:
+    """Engines at real time: a long answer (4,000 tokens, about 25 s) is still running
+    when its client leaves."""
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse("sim:1"), policy="wasma", sim_vocab_size=VOCAB_SIZE
+    )
+    gcfg = GatewayConfig(model_names=(MODEL,), api_keys=(KEY_A,))
+    with ServerThread(create_app(local_router_factory(cfg), sim_frontend, gcfg)) as srv:
+        yield srv
+
+
+# As long as the tiny model's 4,096-token context allows, after a 64-token prompt.
+LONG = 4000
+
+
+def test_client_disconnect_aborts_engine_work(slow_server: ServerThread) -> None:
+    server = slow_server
     before = httpx.get(server.url + "/health").json()["cancelled"]
-    body = {"prompt": [500] * 64, "max_tokens": 60_000, "stream": True, "ignore_eos": True}
+    body = {"prompt": [500] * 64, "max_tokens": LONG, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth()) as resp:
         assert resp.status_code == 200
         next(resp.iter_bytes())  # the first event arrived: the request is running
@@ -378,13 +404,14 @@ def test_client_disconnect_aborts_engine_work(server: ServerThread) -> None:
         return bool(h["outstanding"] == 0)
 
     _wait(idle)
-    # It ended because the client left, not because 60,000 tokens were generated.
+    # It ended because the client left, not because all its tokens were generated.
     assert httpx.get(server.url + "/health").json()["cancelled"] == before + 1
 
 
-def test_client_leaving_a_non_streamed_request_aborts_it(server: ServerThread) -> None:
+def test_client_leaving_a_non_streamed_request_aborts_it(slow_server: ServerThread) -> None:
+    server = slow_server
     before = httpx.get(server.url + "/health").json()["cancelled"]
-    body = {"prompt": [501] * 64, "max_tokens": 60_000, "ignore_eos": True}
+    body = {"prompt": [501] * 64, "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=_auth(), timeout=0.5)
     _wait(lambda: httpx.get(server.url + "/health").json()["outstanding"] == 0)
@@ -417,7 +444,9 @@ class _DeadEngine(EngineClient):
         pass
 
 
-def _small_gateway(engines: Callable[[], list[EngineClient]], **kw: Any) -> ServerThread:
+def _small_gateway(
+    frontend: Any, engines: Callable[[], list[EngineClient]], **kw: Any
+) -> ServerThread:
     profile = load_profile("llama3-8b-h100")
 
     async def factory() -> RouterClient:
@@ -425,14 +454,14 @@ def _small_gateway(engines: Callable[[], list[EngineClient]], **kw: Any) -> Serv
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(create_app(factory, ByteTokenizer(), GatewayConfig(model_names=(MODEL,))))
+    return ServerThread(create_app(factory, frontend, GatewayConfig(model_names=(MODEL,))))
 
 
-def test_all_engines_down_is_a_fast_503_with_retry_after() -> None:
-    with _small_gateway(lambda: [_DeadEngine("d0"), _DeadEngine("d1")]) as srv:
+def test_all_engines_down_is_a_fast_503_with_retry_after(sim_frontend: Any) -> None:
+    with _small_gateway(sim_frontend, lambda: [_DeadEngine("d0"), _DeadEngine("d1")]) as srv:
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         err = _assert_openai_error(resp, 503)
-        assert err["type"] == "service_unavailable_error"
+        assert err["type"] == "ServiceUnavailable"
         assert int(resp.headers["retry-after"]) >= 1
         assert httpx.get(srv.url + "/health").status_code == 503
 
@@ -446,22 +475,24 @@ class _HoldsEverything(Policy):
         return Placement(engine=0, kind=PlacementKind.RECOMPUTE, defer=True)
 
 
-def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -> None:
+def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it(
+    sim_frontend: Any,
+) -> None:
     profile = load_profile("llama3-8b-h100")
     reg = PolicyRegistry()
     reg.register(_HoldsEverything.name, _HoldsEverything)
 
     async def factory() -> RouterClient:
-        engines: list[EngineClient] = [SimEngine("s0", profile)]
+        engines: list[EngineClient] = [SimEngine("s0", profile, vocab_size=VOCAB_SIZE)]
         service = RouterService(
             engines, profile, RouterConfig(policy=_HoldsEverything.name), registry=reg
         )
         await service.start()
         return LocalRouterClient(service)
 
-    app = create_app(factory, ByteTokenizer(), GatewayConfig(model_names=(MODEL,)))
+    app = create_app(factory, sim_frontend, GatewayConfig(model_names=(MODEL,)))
     with ServerThread(app) as srv:
-        long = {"prompt": [7] * 32, "max_tokens": 60_000, "stream": True, "ignore_eos": True}
+        long = {"prompt": [7] * 32, "max_tokens": LONG, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=long) as running:
             chunks = running.iter_bytes()  # kept: a dropped iterator closes the stream
             next(chunks)  # runs: nothing else did
@@ -474,10 +505,12 @@ def test_a_streaming_client_that_leaves_while_held_takes_its_request_with_it() -
             assert health["outstanding"] == 1 and health["held_total"] == 1
 
 
-def test_past_the_admission_limit_is_429_with_retry_after() -> None:
+def test_past_the_admission_limit_is_429_with_retry_after(sim_frontend: Any) -> None:
     profile = load_profile("llama3-8b-h100")
     # Real-time speed: a 2,000-token decode holds its seat for seconds.
-    with _small_gateway(lambda: [SimEngine("s0", profile)], max_outstanding=1) as srv:
+    with _small_gateway(
+        sim_frontend, lambda: [SimEngine("s0", profile, vocab_size=VOCAB_SIZE)], max_outstanding=1
+    ) as srv:
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
@@ -500,15 +533,20 @@ def test_past_the_admission_limit_is_429_with_retry_after() -> None:
 # -- the router as a Ray actor (what `wasma serve` runs) ------------------------------
 
 
-def test_router_in_a_ray_actor() -> None:
+def test_router_in_a_ray_actor(sim_frontend: Any) -> None:
     ray = pytest.importorskip("ray")
     from wasma.deploy.serve import ray_router_factory
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=100.0)
-        tok, gcfg = gateway_setup(cfg, (), None, {})
-        with ServerThread(create_app(ray_router_factory(cfg), tok, gcfg)) as srv:
+        cfg = ServiceConfig(
+            engines=EngineSpec.parse("sim:2"),
+            policy="wasma",
+            sim_speed=10.0,  # a 4,000-token answer runs for seconds: time to leave it
+            sim_vocab_size=VOCAB_SIZE,
+        )
+        gcfg = GatewayConfig(model_names=(MODEL,))
+        with ServerThread(create_app(ray_router_factory(cfg), sim_frontend, gcfg)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt=[300 + i for i in range(40)], max_tokens=5
@@ -545,7 +583,7 @@ def test_router_in_a_ray_actor() -> None:
 
             assert asyncio.run(burst()) == [1 + i % 4 for i in range(100)]
             # A client that leaves mid-stream cancels the work inside the actor.
-            body = {"prompt": [500] * 64, "max_tokens": 60_000, "stream": True}
+            body = {"prompt": [500] * 64, "max_tokens": LONG, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", srv.url + "/v1/completions", json=body) as resp:
                 next(resp.iter_bytes())
             _wait(lambda: httpx.get(srv.url + "/health").json()["outstanding"] == 0)

@@ -26,11 +26,11 @@ MODEL = "tiny"
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
     from wasma.core.profile import load_profile
+    from wasma.deploy.frontend import Frontend, FrontendOptions
     from wasma.deploy.gateway import GatewayConfig, create_app
     from wasma.deploy.router_client import LocalRouterClient, RouterClient
     from wasma.deploy.router_config import RouterConfig
     from wasma.deploy.router_service import RouterService
-    from wasma.deploy.tokenizer import HFTokenizer
     from wasma.engines.tiny_model import write_tiny_model
     from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -47,8 +47,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         await service.start()
         return LocalRouterClient(service)
 
-    tok = HFTokenizer(model)
-    app = create_app(factory, tok, GatewayConfig(model_names=(MODEL, model)))
+    frontend = Frontend.build_sync(FrontendOptions(model=model, served_model_name=(MODEL, model)))
+    app = create_app(factory, frontend, GatewayConfig(model_names=(MODEL, model)))
     with ServerThread(app, start_timeout_s=300) as srv:
         yield srv
 
@@ -129,14 +129,17 @@ def test_streaming_and_non_streaming(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": [5000], "max_tokens": 2}, "prompt"),  # beyond the tiny vocabulary
-        ({"prompt": [100] * 4090, "max_tokens": 100}, "prompt"),  # beyond max_model_len
+        # vLLM's own answers: an id beyond the tiny vocabulary (its engine's check names
+        # no parameter), a prompt beyond max_model_len (a longer answer than fits is
+        # clamped, not refused).
+        ({"prompt": [5000], "max_tokens": 2}, None),
+        ({"prompt": [100] * 5000, "max_tokens": 100}, "input_tokens"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "hi", "model": "llama-9000"}, "model"),
     ],
 )
 def test_bad_requests_get_openai_shaped_4xx(
-    gateway: ServerThread, body: dict[str, Any], param: str
+    gateway: ServerThread, body: dict[str, Any], param: str | None
 ) -> None:
     resp = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
     assert 400 <= resp.status_code < 500, resp.text
@@ -148,3 +151,24 @@ def test_bad_requests_get_openai_shaped_4xx(
 def test_metrics_show_both_engines(gateway: ServerThread) -> None:
     text = httpx.get(gateway.url + "/metrics").text
     assert 'engine="vllm0"' in text and 'engine="vllm1"' in text
+
+
+def test_in_process_engines_sample_with_vllms_rendered_parameters(
+    gateway: ServerThread,
+) -> None:
+    """What the renderer made of the request is what the engine samples with: a grammar
+    holds, a stop token stops, and what token ids cannot carry back is a clear 400."""
+    url = gateway.url + "/v1/completions"
+    base = {"model": MODEL, "prompt": "pick one:", "max_tokens": 8, "temperature": 0}
+    choice = httpx.post(
+        url, json={**base, "structured_outputs": {"choice": ["alpha", "beta"]}}, timeout=120
+    )
+    assert choice.status_code == 200, choice.text
+    assert choice.json()["choices"][0]["text"] in ("alpha", "beta")
+    free = httpx.post(url, json={**base, "return_token_ids": True}, timeout=60).json()
+    first = free["choices"][0]["token_ids"][0]
+    stopped = httpx.post(url, json={**base, "stop_token_ids": [first]}, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+    logprobs = httpx.post(url, json={**base, "logprobs": 2}, timeout=60)
+    assert logprobs.status_code == 400 and "logprobs" in logprobs.json()["error"]["message"]

@@ -8,6 +8,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -18,22 +19,24 @@ from wasma.deploy.http_limits import HttpLimits
 from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 
 LIMITS = HttpLimits(max_header_bytes=8192, header_timeout_s=0.5, body_timeout_s=0.5)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
     profile = load_profile("tiny-cpu")
 
     async def factory() -> RouterClient:
-        service = RouterService([SimEngine("s0", profile, speed=50.0)], profile)
+        service = RouterService(
+            [SimEngine("s0", profile, speed=50.0, vocab_size=VOCAB_SIZE)], profile
+        )
         await service.start()
         return LocalRouterClient(service)
 
-    app = create_app(factory, ByteTokenizer(profile.vocab_size), GatewayConfig())
+    app = create_app(factory, sim_frontend, GatewayConfig())
     with ServerThread(app, limits=LIMITS) as srv:
         yield srv
 

@@ -21,28 +21,28 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port, local_router_factory
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_RETRY = LifecycleConfig(start_retry_s=0.1, start_retry_max_s=0.3, drain_delay_s=0.0)
 
 
-def _sim_gateway(port: int | None = None) -> ServerThread:
+def _sim_gateway(sim_frontend: Any, port: int | None = None) -> ServerThread:
     """A wasma gateway on simulated engines: here the `openai:` engine another gateway
     places on (it answers /v1/models and token-id completions as vLLM does)."""
     profile = load_profile("tiny-cpu")
 
     async def factory() -> RouterClient:
         service = RouterService(
-            [SimEngine("s0", profile, speed=50.0)], profile, RouterConfig(policy="least_loaded")
+            [SimEngine("s0", profile, speed=50.0, vocab_size=VOCAB_SIZE)],
+            profile,
+            RouterConfig(policy="least_loaded"),
         )
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(
-        create_app(factory, ByteTokenizer(profile.vocab_size), GatewayConfig()), port=port
-    )
+    return ServerThread(create_app(factory, sim_frontend, GatewayConfig()), port=port)
 
 
 def _wait_for(url: str, status: int, timeout_s: float = 60.0) -> httpx.Response:
@@ -58,7 +58,9 @@ def _wait_for(url: str, status: int, timeout_s: float = 60.0) -> httpx.Response:
         time.sleep(0.1)
 
 
-def test_starts_with_no_engine_reachable_and_turns_ready_when_one_answers() -> None:
+def test_starts_with_no_engine_reachable_and_turns_ready_when_one_answers(
+    sim_frontend: Any,
+) -> None:
     engine_port = free_port()
     cfg = ServiceConfig(
         engines=EngineSpec.parse(f"openai:http://127.0.0.1:{engine_port}"),
@@ -66,7 +68,7 @@ def test_starts_with_no_engine_reachable_and_turns_ready_when_one_answers() -> N
         profile="tiny-cpu",
     )
     app = create_app(
-        local_router_factory(cfg), ByteTokenizer(), GatewayConfig(), Lifecycle(FAST_RETRY)
+        local_router_factory(cfg), sim_frontend, GatewayConfig(), Lifecycle(FAST_RETRY)
     )
     with ServerThread(app) as gw:
         # Before any engine: alive, not ready, and new work is a retryable 503.
@@ -79,7 +81,7 @@ def test_starts_with_no_engine_reachable_and_turns_ready_when_one_answers() -> N
         assert resp.headers["retry-after"] == "2"
         assert resp.json()["error"]["message"].startswith("the gateway is starting")
         assert httpx.get(gw.url + "/health").status_code == 503
-        with _sim_gateway(engine_port):
+        with _sim_gateway(sim_frontend, engine_port):
             _wait_for(gw.url + "/ready", 200)
             resp = httpx.post(
                 gw.url + "/v1/completions",

@@ -19,7 +19,6 @@ from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port
 from wasma.deploy.service_types import ServiceRequest
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
 
 KEY = "sk-secret-key-0123456789abcdef"
@@ -33,21 +32,26 @@ LIMITS = GatewayConfig(
 )
 
 
-def _gateway(cfg: GatewayConfig, admin_port: int | None = None, **kw: Any) -> ServerThread:
+def _gateway(
+    frontend: Any, cfg: GatewayConfig, admin_port: int | None = None, **kw: Any
+) -> ServerThread:
     profile = load_profile("llama3-8b-h100")
 
     async def factory() -> RouterClient:
-        engines = [SimEngine(f"s{i}", profile, speed=kw.pop("speed", 50.0)) for i in range(2)]
+        engines = [
+            SimEngine(f"s{i}", profile, speed=kw.pop("speed", 50.0), vocab_size=frontend.vocab_size)
+            for i in range(2)
+        ]
         service = RouterService(engines, profile, RouterConfig(policy="least_loaded", **kw))
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(create_app(factory, ByteTokenizer(), cfg), admin_port=admin_port)
+    return ServerThread(create_app(factory, frontend, cfg), admin_port=admin_port)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with _gateway(LIMITS) as srv:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
+    with _gateway(sim_frontend, LIMITS) as srv:
         yield srv
 
 
@@ -66,12 +70,11 @@ def _error(resp: httpx.Response, status: int, param: str | None = None) -> dict[
         ({"prompt": "x" * 5000, "max_tokens": 1}, 413, None),  # body bytes
         ({"prompt": "x" * 300, "max_tokens": 1}, 400, "prompt"),  # prompt tokens
         ({"prompt": "x", "max_tokens": 65}, 400, "max_tokens"),
-        ({"prompt": "x", "max_tokens": 1, "n": 2}, 400, "n"),
         ({"prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
         ({"prompt": "x", "metadata": {"k" * 65: "v"}}, 400, "metadata"),
         ({"prompt": "x", "metadata": {"note": "v" * 513}}, 400, "metadata.note"),
         ({"prompt": "x", "metadata": {"wasma_workflow_id": "w" * 129}}, 400, None),
-        ({"prompt": "x", "stop": ["s"] * 65}, 400, "stop"),
+        ({"prompt": "x", "stop": ["s"] * 65}, 400, "body.stop"),  # vLLM's own bound
         ({"prompt": "x", "vllm_xargs": {f"k{i}": 1 for i in range(17)}}, 400, "vllm_xargs"),
     ],
 )
@@ -109,10 +112,10 @@ def test_api_keys_never_reach_the_logs(
     assert KEY not in caplog.text and KEY[:-1] not in caplog.text
 
 
-def test_health_and_metrics_on_their_own_port() -> None:
+def test_health_and_metrics_on_their_own_port(sim_frontend: Any) -> None:
     cfg = GatewayConfig(model_names=("wasma-sim",), api_keys=(KEY,), admin_port=free_port())
     assert cfg.admin_port is not None
-    with _gateway(cfg, admin_port=cfg.admin_port) as srv:
+    with _gateway(sim_frontend, cfg, admin_port=cfg.admin_port) as srv:
         admin = f"http://127.0.0.1:{cfg.admin_port}"
         assert httpx.get(admin + "/health").json()["status"] == "ok"
         assert "wasma_" in httpx.get(admin + "/metrics").text
@@ -123,9 +126,9 @@ def test_health_and_metrics_on_their_own_port() -> None:
         assert httpx.post(admin + "/v1/completions", json={"prompt": "x"}).status_code == 404
 
 
-def test_a_burst_far_above_capacity_gets_429s_then_normal_service() -> None:
+def test_a_burst_far_above_capacity_gets_429s_then_normal_service(sim_frontend: Any) -> None:
     cfg = GatewayConfig(model_names=("wasma-sim",))
-    with _gateway(cfg, max_outstanding=8, speed=2.0) as srv:
+    with _gateway(sim_frontend, cfg, max_outstanding=8, speed=2.0) as srv:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:

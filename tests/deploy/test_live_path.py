@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, cast
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,13 +16,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from wasma.core.profile import load_profile
-from wasma.deploy.build import EngineSpec, ServiceConfig
-from wasma.deploy.gateway import Gateway, GatewayConfig, create_app
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
-from wasma.deploy.serve import ServerThread, local_router_factory
+from wasma.deploy.serve import ServerThread
 from wasma.deploy.service_types import ServiceRequest
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.base import GenerateRequest, TokenChunk
 from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, wanted_metric_lines
 from wasma.engines.sim_engine import SimEngine
@@ -310,71 +305,3 @@ async def test_baseline_policies_keep_their_instance_when_recalibrated() -> None
     assert svc.router.policy is policy
     assert svc.recalibrations == 1
     await svc.close()
-
-
-# -- long prompts are tokenised off the event loop ----------------------------------------
-
-
-class ThreadRecordingTokenizer(ByteTokenizer):
-    """The byte tokenizer, noting which thread each encode ran on."""
-
-    def __init__(self) -> None:
-        super().__init__(4096)
-        self.threads: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        self.threads.append(threading.current_thread().name)
-        return super().encode(text)
-
-
-def test_long_prompts_are_tokenised_off_the_event_loop() -> None:
-    cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=100.0)
-    tok = ThreadRecordingTokenizer()
-    app = create_app(local_router_factory(cfg), tok, GatewayConfig(model_names=("m",)))
-    with ServerThread(app) as srv:
-        short = "a b c " * 10
-        long = "x" * (Gateway.OFFLOAD_CHARS + 100)
-        for prompt in (short, long):
-            r = httpx.post(
-                srv.url + "/v1/completions",
-                json={"prompt": prompt, "max_tokens": 2},
-                timeout=30,
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["prompt_tokens"] == len(prompt.encode())
-    loop_thread, worker_thread = tok.threads
-    assert not loop_thread.startswith("wasma-tokenize")
-    assert worker_thread.startswith("wasma-tokenize")
-
-
-async def test_calibration_can_be_turned_off_and_the_fitted_profile_returns() -> None:
-    from wasma.scheduler.calibration import scaled_profile
-
-    profile = load_profile("tiny-cpu")
-    svc = RouterService(
-        [SimEngine("s0", profile, speed=20.0)],
-        profile,
-        RouterConfig(policy="wasma", calibration=True),
-    )
-    assert svc.calibrator is not None
-    svc.set_profile(scaled_profile(profile, 3.0, 2.0))  # as a recalibration would
-    svc.set_calibration(False)
-    assert svc.calibrator is None
-    assert svc.ctx.profile == profile
-    await svc.close()
-
-
-def test_config_file_calibration_setting(tmp_path: Any) -> None:
-    from wasma.deploy.serve import ConfigError, calibration_setting, load_config_file
-    from wasma.scheduler.calibration import CalibrationConfig
-
-    path = tmp_path / "c.yaml"
-    path.write_text("calibration: false\n")
-    assert calibration_setting(load_config_file(str(path)).get("calibration")) is False
-    path.write_text("calibration: {max_scale: 8.0, weight: 0.2}\n")
-    cfg = calibration_setting(load_config_file(str(path)).get("calibration"))
-    assert cfg == CalibrationConfig(max_scale=8.0, weight=0.2)
-    assert calibration_setting(None) is None
-    for bad in ({"nope": 1}, {"weight": 0.0}, "yes"):
-        with pytest.raises(ConfigError):
-            calibration_setting(bad)

@@ -50,11 +50,11 @@ class SteeredByNodeId(Policy):
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     pytest.importorskip("vllm")
     from wasma.core.profile import load_profile
+    from wasma.deploy.frontend import Frontend, FrontendOptions
     from wasma.deploy.gateway import GatewayConfig, create_app
     from wasma.deploy.router_client import LocalRouterClient, RouterClient
     from wasma.deploy.router_config import RouterConfig
     from wasma.deploy.router_service import RouterService
-    from wasma.deploy.tokenizer import HFTokenizer
     from wasma.engines.tiny_model import write_tiny_model
     from wasma.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from wasma.scheduler.registry import default_registry
@@ -79,7 +79,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         await service.start()
         return LocalRouterClient(service)
 
-    app = create_app(factory, HFTokenizer(model), GatewayConfig(model_names=(MODEL, model)))
+    frontend = Frontend.build_sync(FrontendOptions(model=model, served_model_name=(MODEL, model)))
+    app = create_app(factory, frontend, GatewayConfig(model_names=(MODEL, model)))
     with ServerThread(app, start_timeout_s=300) as srv:
         yield srv
 

@@ -27,8 +27,8 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread, free_port
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
@@ -43,14 +43,16 @@ PROFILE = load_profile("tiny-cpu")
 APPS = ("mapreduce", "chat", "firstapp")
 
 
-def _gateway() -> ServerThread:
+def _gateway(sim_frontend: Any) -> ServerThread:
     async def factory() -> RouterClient:
-        engines = [SimEngine(f"sim{i}", PROFILE, speed=1.0) for i in range(2)]
+        engines = [
+            SimEngine(f"sim{i}", PROFILE, speed=1.0, vocab_size=VOCAB_SIZE) for i in range(2)
+        ]
         service = RouterService(engines, PROFILE, RouterConfig(policy="wasma"))
         await service.start()
         return LocalRouterClient(service)
 
-    return ServerThread(create_app(factory, ByteTokenizer(PROFILE.vocab_size), GatewayConfig()))
+    return ServerThread(create_app(factory, sim_frontend, GatewayConfig()))
 
 
 def _wait_port(port: int, timeout_s: float = 60.0) -> None:
@@ -64,13 +66,13 @@ def _wait_port(port: int, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[tuple[ServerThread, str]]:
+def stack(sim_frontend: Any) -> Iterator[tuple[ServerThread, str]]:
     tmp = Path(tempfile.mkdtemp(prefix="wasma-prom-"))
     # The same rules, evaluated every second (their windows stay 1m and 5m).
     rules = re.sub(r"interval: \d+s", "interval: 1s", RULES.read_text())
     (tmp / "rules.yaml").write_text(rules)
     port = free_port()
-    with _gateway() as gw:
+    with _gateway(sim_frontend) as gw:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(tmp / "rules.yaml")],

@@ -6,14 +6,16 @@ import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from wasma.benchmarks.replay import Replayer, replay_main
 from wasma.deploy.build import EngineSpec, ServiceConfig
-from wasma.deploy.gateway import create_app
-from wasma.deploy.serve import ServerThread, gateway_setup, local_router_factory
+from wasma.deploy.gateway import GatewayConfig, create_app
+from wasma.deploy.serve import ServerThread, local_router_factory
+from wasma.engines.tiny_model import VOCAB_SIZE
 from wasma.scheduler.trace import load_trace, write_trace
 from wasma.scheduler.workflow import Workflow
 
@@ -48,10 +50,15 @@ def _mapreduce(i: int, arrival: float) -> Workflow:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[ServerThread]:
-    cfg = ServiceConfig(engines=EngineSpec.parse("sim:2"), policy="wasma", sim_speed=50.0)
-    tok, gcfg = gateway_setup(cfg, (), None, {})
-    with ServerThread(create_app(local_router_factory(cfg), tok, gcfg)) as srv:
+def gateway(sim_frontend: Any) -> Iterator[ServerThread]:
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse("sim:2"),
+        policy="wasma",
+        sim_speed=50.0,
+        sim_vocab_size=VOCAB_SIZE,
+    )
+    gcfg = GatewayConfig(model_names=("wasma-sim",))
+    with ServerThread(create_app(local_router_factory(cfg), sim_frontend, gcfg)) as srv:
         yield srv
 
 
@@ -64,7 +71,7 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_dependencies_and_real_outputs(gateway: ServerThread, trace: Path) -> None:
     wfs = load_trace(trace)
-    rep = Replayer(url=gateway.url, workflows=wfs, vocab_size=128_256, progress=False)
+    rep = Replayer(url=gateway.url, workflows=wfs, vocab_size=VOCAB_SIZE, progress=False)
     await rep.run()
     assert not rep.failures
     assert len(rep.results) == sum(len(w) for w in wfs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -18,24 +19,26 @@ from wasma.deploy.router_client import LocalRouterClient, RouterClient
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.router_service import RouterService
 from wasma.deploy.serve import ServerThread
-from wasma.deploy.tokenizer import ByteTokenizer
 from wasma.engines.sim_engine import SimEngine
+from wasma.engines.tiny_model import VOCAB_SIZE
 
 PROFILE = load_profile("tiny-cpu")
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
+def server(sim_frontend: Any) -> Iterator[ServerThread]:
     async def factory() -> RouterClient:
         service = RouterService(
-            [SimEngine("s0", PROFILE, speed=1000.0)], PROFILE, RouterConfig(policy="wasma")
+            [SimEngine("s0", PROFILE, speed=1000.0, vocab_size=VOCAB_SIZE)],
+            PROFILE,
+            RouterConfig(policy="wasma"),
         )
         await service.start()
         return LocalRouterClient(service)
 
     # Small generation limits keep each generated request cheap on the simulator.
     cfg = GatewayConfig(max_tokens_limit=64)
-    with ServerThread(create_app(factory, ByteTokenizer(PROFILE.vocab_size), cfg)) as srv:
+    with ServerThread(create_app(factory, sim_frontend, cfg)) as srv:
         yield srv
 
 

@@ -200,6 +200,8 @@ def test_ray_mode_flags_reach_the_gateway() -> None:
         "--port": "8000",
         "--config": "/etc/wasma/config.yaml",
         "--address": "auto",
+        # Gateway processes joining the cluster share this one router.
+        "--shared-router": one(objects, "RayCluster")["metadata"]["name"] + "-router",
     }
     assert {"Deployment", "HorizontalPodAutoscaler"}.isdisjoint(kinds(objects))
 

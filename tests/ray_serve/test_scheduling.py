@@ -10,7 +10,7 @@ import pytest
 
 from wasma.deploy.metadata import MetadataError
 from wasma.ray_serve.router import request_parts
-from wasma.ray_serve.scheduling import SchedulingState, prompt_of
+from wasma.ray_serve.scheduling import SchedulingState
 
 REPLICAS = ["r0", "r1"]
 
@@ -112,33 +112,47 @@ def test_no_prompt_leaves_the_choice_to_serve() -> None:
     assert st.place(REPLICAS, "r", "i", {}, {"input": "embed me"}) is None
 
 
-def test_prompt_forms() -> None:
-    assert prompt_of({"prompt": "abc"}) == "abc"
-    assert prompt_of({"prompt": [1, 2, 3]}) == [1, 2, 3]
-    assert prompt_of(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    ) == [{"role": "user", "content": "hi"}]
-    assert prompt_of({}) is None
+def test_prompts_are_rendered_by_vllm() -> None:
+    """The state hashes the ids vLLM's renderer gives the engine: the chat template's,
+    tools included, and a completion's token-id prompt as it is."""
+    st = SchedulingState(frontend={"tool_call_parser": "hermes", "enable_auto_tool_choice": True})
+    chat = body("hi there")
+    plain = st._render(chat)
+    assert plain is not None and plain.max_tokens == 8
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    with_tools = st._render({**chat, "tools": [tool], "tool_choice": "auto"})
+    assert with_tools is not None and with_tools.token_ids != plain.token_ids
+    text = st.frontend.tokenizer.decode(with_tools.token_ids)
+    assert "lookup" in text and "hi there" in text
+    ids = st._render({"prompt": [5, 6, 7], "max_tokens": 2})
+    assert ids is not None and ids.token_ids == [5, 6, 7]
+    # A body vLLM refuses is left to the replica (which answers with vLLM's error).
+    assert st._render({"messages": "not a list"}) is None
 
 
 def test_request_parts_reads_the_ingress_call() -> None:
-    class Body:
-        messages = [{"role": "user", "content": "hi"}]
-        prompt = None
-        metadata = None
-        vllm_xargs = None
-        max_tokens = 5
-        max_completion_tokens = None
-        model_extra = {"metadata": {"wasma_workflow_id": "w"}}
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "tools": [tool],
+            "metadata": {"wasma_workflow_id": "w"},
+        }
+    )
     raw = SimpleNamespace(headers={"X-Wasma-Node-Id": "n", "x-request-id": "rq"})
-    pending = SimpleNamespace(args=[Body(), raw], kwargs={})
+    pending = SimpleNamespace(args=[request, raw], kwargs={})
     parts = request_parts(pending)  # type: ignore[arg-type]
     assert parts is not None
     headers, fields = parts
     assert headers["x-wasma-node-id"] == "n"
     assert fields["metadata"] == {"wasma_workflow_id": "w"}
     assert fields["max_tokens"] == 5
+    assert fields["tools"][0]["function"]["name"] == "f"  # what the renderer needs
+    assert "temperature" not in fields  # only what the client set
     assert request_parts(SimpleNamespace(args=[], kwargs={})) is None  # type: ignore[arg-type]
 
 

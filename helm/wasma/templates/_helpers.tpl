@@ -107,6 +107,11 @@ app.kubernetes.io/component: engine
 {{- if .Values.ray.enabled }}
 - --address
 - {{ .Values.ray.address | quote }}
+{{- if .Values.ray.sharedRouter }}
+{{- /* One detached router actor for every gateway process that joins the cluster. */}}
+- --shared-router
+- {{ printf "%s-router" (include "wasma.fullname" .) | quote }}
+{{- end }}
 {{- else }}
 {{- /* Gateway mode: the router runs in the gateway's process; no local Ray is started. */}}
 - --router-in-process

@@ -1,0 +1,127 @@
+"""vLLM's own front end, in the gateway's process: renderer, derenderer, tokenizer.
+
+The gateway speaks the API through vLLM's serving classes, never a copy of the protocol:
+`ServingRender` turns a chat, completion, Responses or Messages request into the token
+ids and sampling parameters vLLM's engine would get (the ids placement hashes, exactly
+the ids the engine caches), `ServingDerender` turns token ids back into vLLM's answer,
+chunk by chunk, and `ServingTokenization` answers `/tokenize` and `/detokenize`. They are
+built the way `vllm launch render` builds them (`init_render_app_state`), from the same
+flags `vllm serve` takes, so a model directory and its chat template, tool parser and
+reasoning parser give the same prompts here as on the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+
+class FrontendError(ValueError):
+    """The front end cannot be built from these options (one line, names the flag)."""
+
+
+@dataclass(frozen=True)
+class FrontendOptions:
+    """What `vllm serve` is told about the model's front end, named as it names it."""
+
+    model: str
+    served_model_name: tuple[str, ...] = ()
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    max_model_len: int | None = None
+
+    def vllm_args(self) -> list[str]:
+        """These options as `vllm serve` command-line flags."""
+        args = ["--model", self.model]
+        if self.served_model_name:
+            args += ["--served-model-name", *self.served_model_name]
+        if self.tool_call_parser:
+            args += ["--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser:
+            args += ["--reasoning-parser", self.reasoning_parser]
+        if self.chat_template:
+            args += ["--chat-template", self.chat_template]
+        if self.enable_auto_tool_choice:
+            args.append("--enable-auto-tool-choice")
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(self.max_model_len)]
+        return args
+
+
+class Frontend:
+    """vLLM's serving objects for one model (build with `await Frontend.build(...)`)."""
+
+    def __init__(self, state: Any, options: FrontendOptions) -> None:
+        self.options = options
+        self.render = state.serving_render
+        self.derender = state.serving_derender
+        self.tokenization = state.serving_tokenization
+        self.models = state.openai_serving_models
+        renderer = state.online_renderer
+        self.model_config = renderer.model_config
+        self.renderer = renderer.renderer  # vLLM's renderer: tokenizer, token id checks
+        self.tokenizer = renderer.renderer.get_tokenizer()
+        self.has_parser = renderer.parser is not None
+
+    @property
+    def model_name(self) -> str:
+        name: str = self.models.model_name()
+        return name
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @classmethod
+    async def build(cls, options: FrontendOptions) -> Frontend:
+        """Parse `options` with `vllm serve`'s own parser and build the render state.
+        Loading the tokenizer and template takes seconds: it runs on a worker thread."""
+        return await asyncio.to_thread(_build_sync, options)
+
+    @classmethod
+    def build_sync(cls, options: FrontendOptions) -> Frontend:
+        """`build` for callers with no event loop running (a Ray actor's thread)."""
+        return _build_sync(options)
+
+
+def _build_sync(options: FrontendOptions) -> Frontend:
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="wasma serve"))
+    try:
+        args = parser.parse_args(options.vllm_args())
+        validate_parsed_serve_args(args)
+    except SystemExit:
+        raise FrontendError(f"vLLM rejects the front-end flags {options.vllm_args()}") from None
+    except (TypeError, ValueError) as exc:
+        raise FrontendError(str(exc)) from None
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    try:
+        model_config = engine_args.create_model_config()
+    except Exception as exc:  # pydantic / HF errors: a directory that is not a model
+        raise FrontendError(f"--model {options.model}: {str(exc).splitlines()[0]}") from None
+    # As `vllm launch render` does: a render-only process computes nothing.
+    model_config.quantization = None
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        logging_config=engine_args.create_logging_config(),
+        structured_outputs_config=engine_args.create_structured_outputs_config(),
+    )
+    state = State()
+    try:
+        asyncio.run(init_render_app_state(vllm_config, state, args))
+    except (KeyError, ValueError) as exc:  # an unknown parser name, a bad template
+        raise FrontendError(str(exc).splitlines()[0]) from None
+    return Frontend(state, options)
