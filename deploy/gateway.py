@@ -50,7 +50,7 @@ from wasma.deploy.metadata import MetadataError, WorkflowIdentity, workflow_iden
 from wasma.deploy.metrics import handler_of
 from wasma.deploy.router_client import RouterClient, TokenStream
 from wasma.deploy.service_types import ServiceError, ServiceRequest, tenant_of
-from wasma.engines.base import EngineCall
+from wasma.engines.base import Deferred, EngineCall
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -427,7 +427,7 @@ class Gateway:
                 rendered.stream,
                 rendered.needs_model,
                 rendered.needs_api,
-                rendered.generate[0].sampling_params,
+                Deferred(rendered.generate[0].sampling_params),
             ),
             pin_engine=pin,
         )

@@ -95,9 +95,11 @@ class WorkflowAPI:
                     "id": node_id,
                     "status": status,
                     "engine": None if ns is None or ns.engine is None else names[ns.engine],
+                    # A registered node's declared parents; otherwise (a live workflow,
+                    # or a node added to a registered one) the parents its request named.
                     "parents": list(wst.workflow.nodes[node_id].parents)
                     if wst.workflow is not None and node_id in wst.workflow.nodes
-                    else [],
+                    else list(ns.parents if ns is not None else ()),
                 }
             )
         end = wst.finished_s if wst.finished_s is not None else now

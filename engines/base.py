@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from wasma.core.events import EngineStats, KVEvent
 
@@ -51,6 +52,38 @@ def deliver_kv_events(engine: str, sinks: Sequence[KVEventSink], events: Iterabl
                 log.exception("engine %s: KV event sink failed", engine)
 
 
+_V = TypeVar("_V")
+
+
+class Deferred(Generic[_V]):
+    """A value that crosses a process boundary as pickled bytes and is unpickled only
+    where it is read. vLLM's SamplingParams ride with every request to the router, which
+    may run in a Ray actor over simulators only: unpickling them there would import vLLM
+    (seconds, on the first request) for a value only an in-process vLLM engine reads."""
+
+    __slots__ = ("_blob", "_value")
+
+    def __init__(self, value: _V) -> None:
+        self._value: _V | None = value
+        self._blob: bytes | None = None
+
+    @classmethod
+    def _of_blob(cls, blob: bytes) -> Deferred[Any]:
+        d: Deferred[Any] = cls.__new__(cls)
+        d._value, d._blob = None, blob
+        return d
+
+    def get(self) -> _V:
+        if self._blob is not None:
+            self._value = pickle.loads(self._blob)
+            self._blob = None
+        return self._value  # type: ignore[return-value]  # set by __init__ or just now
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        blob = self._blob if self._blob is not None else pickle.dumps(self._value)
+        return (Deferred._of_blob, (blob,))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCall:
     """The client's original API request, for engines that answer it themselves.
@@ -70,7 +103,8 @@ class EngineCall:
     stream: bool  # the answer is SSE
     needs_model: str = ""  # why an engine without a model cannot answer it ("" = it can)
     needs_api: str = ""  # why an engine answering in token ids cannot ("" = it can)
-    sampling_params: Any = None  # vLLM's SamplingParams, as its renderer built them
+    # vLLM's SamplingParams, as its renderer built them (unpickled where read).
+    sampling_params: Deferred[Any] | None = None
 
 
 @dataclass(slots=True)

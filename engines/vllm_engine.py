@@ -517,9 +517,9 @@ class VLLMEngine(EngineClient):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        rendered = request.call.sampling_params if request.call is not None else None
-        if rendered is not None:
-            params = rendered.clone()
+        call = request.call
+        if call is not None and call.sampling_params is not None:
+            params = call.sampling_params.get().clone()
             if params.seed is not None and params.temperature == 0:
                 params.seed = None  # greedy: the seed changes nothing (see below)
             if params.seed is not None and self.shared_host:

@@ -51,7 +51,9 @@ class WorkflowState:
     def ready_children(self, node_id: str) -> list[str]:
         """Children of `node_id` whose parents have all finished."""
         wf = self.workflow
-        if wf is None:
+        if wf is None or node_id not in wf.nodes:
+            # A live workflow, or a node an agent added to a registered DAG (requests may
+            # name nodes it did not declare): no registered child waits on it.
             return []
         nodes = self.nodes
         return wf.ready_children(

@@ -507,7 +507,8 @@ def test_ray_restarts_a_killed_router_actor_with_its_workflows(
             assert httpx.post(srv.url + "/v1/workflows", json=dag).status_code == 201
             headers = {"x-wasma-workflow-id": "w", "x-wasma-node-id": "a"}
             body = {"prompt": [300] * 40, "max_tokens": 3}
-            assert httpx.post(srv.url + "/v1/completions", json=body, headers=headers).is_success
+            first = httpx.post(srv.url + "/v1/completions", json=body, headers=headers, timeout=60)
+            assert first.is_success, first.text
             actor = ray.get_actor("wasma-router")
             pid = ray.get(actor.pid.remote())
             ray.kill(actor, no_restart=False)

@@ -247,15 +247,16 @@ def test_registered_workflow_progress(server: ServerThread, client: openai.OpenA
 
     run("plan")
     run("map0", "plan")
+    run("check", "map0")  # a node the DAG did not declare: an agent's extra step joins it
     mid = httpx.get(server.url + "/v1/workflows/wf-dag", headers=_auth()).json()
     by_id = {n["id"]: n for n in mid["nodes"]}
     assert by_id["plan"]["status"] == "finished" and by_id["plan"]["engine"] in ("sim0", "sim1")
     assert by_id["reduce"]["status"] == "pending" and by_id["reduce"]["parents"] == ["map0", "map1"]
-    assert mid["status"] == "active" and mid["nodes_finished"] == 2
+    assert mid["status"] == "active" and mid["nodes_finished"] == 3 and by_id["check"]["parents"] == ["map0"]
     run("map1", "plan")
     run("reduce", "map0,map1")
     done = httpx.get(server.url + "/v1/workflows/wf-dag", headers=_auth()).json()
-    assert done["status"] == "finished" and done["nodes_finished"] == 4
+    assert done["status"] == "finished" and done["nodes_finished"] == 5
 
 
 def test_workflows_are_scoped_to_the_api_key(server: ServerThread) -> None:
