@@ -694,6 +694,8 @@ def create_app(
         lifecycle=lifecycle,
     )
     app.state.lifecycle = lifecycle
+    # The HTTP protocol's own refusals (deploy/http_limits.py) count here too.
+    app.state.http_codes = codes
     openapi_schema.install(app)
 
     def gw(request: Request) -> Gateway:

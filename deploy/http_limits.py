@@ -19,6 +19,7 @@ subclass, which uvicorn takes as its `http` protocol class (`HttpLimits.protocol
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +40,15 @@ class HttpLimits:
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be seconds > 0, got {value!r}")
 
-    def protocol(self) -> type[HttpToolsProtocol]:
-        """uvicorn's httptools protocol with these limits (pass as `Config(http=...)`)."""
-        return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": self})
+    def protocol(self, codes: Counter[Any] | None = None) -> type[HttpToolsProtocol]:
+        """uvicorn's httptools protocol with these limits (pass as `Config(http=...)`).
+        Its refusals (408, 431) are counted in `codes` as the gateway counts its answers
+        ((handler, status), the app's `state.http_codes`), so /metrics shows them."""
+        return type(
+            "LimitedHttpToolsProtocol",
+            (LimitedHttpToolsProtocol,),
+            {"limits": self, "codes": codes},
+        )
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -49,6 +56,7 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     limits: HttpLimits = HttpLimits()
+    codes: Counter[Any] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,6 +89,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answer `status` and close (the request cannot be read to its end)."""
         self._disarm()
         self._refused = True
+        if self.codes is not None:
+            self.codes[(self._handler(), status)] += 1
         body = message.encode()
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
         self.transport.write(
@@ -93,6 +103,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.disconnected = True
             self.cycle.message_event.set()
         self.transport.close()
+
+    def _handler(self) -> str:
+        """The refused request's `handler` label, where its path was read."""
+        from wasma.deploy.metrics import handler_of
+
+        url = getattr(self, "url", b"") or b""
+        path = url.split(b"?", 1)[0].decode("latin-1") if isinstance(url, bytes) else ""
+        return handler_of(path) if path else "other"
 
     # -- uvicorn's hooks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

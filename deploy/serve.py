@@ -516,7 +516,7 @@ def _server(
         port=port,
         loop=loop,
         # httptools with read limits: header size and header/body timeouts (http_limits.py).
-        http=(limits or HttpLimits()).protocol(),
+        http=(limits or HttpLimits()).protocol(getattr(app.state, "http_codes", None)),
         access_log=False,
         log_level="warning",
         timeout_keep_alive=30,
@@ -586,7 +586,7 @@ class ServerThread:
             host=self.host,
             port=self.port,
             loop=loop,
-            http=(limits or HttpLimits()).protocol(),
+            http=(limits or HttpLimits()).protocol(getattr(app.state, "http_codes", None)),
             access_log=False,
             log_level="warning",
             lifespan="on",

@@ -41,6 +41,16 @@ def server(sim_frontend: Any) -> Iterator[ServerThread]:
         yield srv
 
 
+def _count(srv: ServerThread, handler: str, code: int) -> float:
+    """wasma_http_requests_total for (code, handler) on the gateway's /metrics."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    key = f'wasma_http_requests_total{{code="{code}",handler="{handler}"}} '
+    for line in text.splitlines():
+        if line.startswith(key):
+            return float(line[len(key) :])
+    return 0.0
+
+
 def _connect(srv: ServerThread) -> socket.socket:
     sock = socket.create_connection((srv.host, srv.port), timeout=10)
     return sock
@@ -82,6 +92,8 @@ def test_an_unfinished_body_is_dropped_after_the_body_timeout(server: ServerThre
     reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408 ")
     sock.close()
+    # Counted as the gateway's own answers are, under the path it was sent to.
+    assert _count(server, "/v1/completions", 408) >= 1
 
 
 def test_a_pause_shorter_than_the_timeout_is_fine(server: ServerThread) -> None:
@@ -138,8 +150,11 @@ def test_an_over_size_header_block_is_a_431_read_no_further(
 
 
 def test_a_header_block_just_over_the_limit_gets_431(server: ServerThread) -> None:
+    before = _count(server, "other", 431) + _count(server, "/v1/models", 431)
     resp = httpx.get(server.url + "/v1/models", headers={"x-pad": "p" * 9000})
     assert resp.status_code == 431
+    after = _count(server, "other", 431) + _count(server, "/v1/models", 431)
+    assert after == before + 1
     ok = httpx.get(server.url + "/v1/models", headers={"x-pad": "p" * 4000})
     assert ok.status_code == 200
 
