@@ -23,6 +23,9 @@ class RouterConfig:
     stats_interval_s: float = 0.25  # engine health and load polls
     # A live workflow (no registered DAG) with nothing open this long is over.
     idle_workflow_s: float = 60.0
+    # One past its deadline closes (its outcome settled) once idle this long: an agent's
+    # next turn just after the deadline still belongs to the run, and makes it a miss.
+    settle_workflow_s: float = 5.0
     # A request waiting this long for its next chunk (the first one included) while its
     # engine produced nothing for anyone counts the engine as stalled, and moves; an
     # engine busy with others only stalls a request past 5x this.

@@ -336,7 +336,8 @@ class RouterService:
     def sweep_idle_workflows(self) -> int:
         """Close workflows idle for `idle_workflow_s` (`Dispatcher.sweep_idle`) and count
         them. Returns how many closed."""
-        closed = self.dispatch.sweep_idle(self.now(), self.config.idle_workflow_s)
+        cfg = self.config
+        closed = self.dispatch.sweep_idle(self.now(), cfg.idle_workflow_s, cfg.settle_workflow_s)
         for c in closed:
             if c.workflow.workflow is not None and self.journal is not None:
                 self.journal.close_workflow(c.workflow.workflow_id)

@@ -255,23 +255,25 @@ class Dispatcher:
             return None
         return Closed(wst, last, last <= wst.deadline_s)
 
-    def sweep_idle(self, now: float, idle_s: float) -> list[Closed]:
+    def sweep_idle(self, now: float, idle_s: float, settle_s: float = 0.0) -> list[Closed]:
         """Close workflows idle for `idle_s`: live ones with nothing open (agents do not
         say when a run ends), and registered DAGs whose client gave up half-way (they
         count as missed). An unbounded registry would otherwise grow forever.
 
         A live workflow with nothing in flight once its deadline passed has its outcome
         settled (met if its last request ended in time, which a later one could only turn
-        into a miss), so it closes then rather than `idle_s` later; a request for it after
-        that starts a new run."""
+        into a miss), so it closes once it has also been idle for `settle_s` rather than
+        `idle_s` later: an agent's next turn that comes just after the deadline still
+        belongs to the run (and makes it a miss); a request for it after that starts a
+        new run."""
         closed: list[Closed] = []
         active = self.ctx.workflows.active
         for key, (outstanding, last) in list(self._open.items()):
             if outstanding > 0:
                 continue
             wst = active.get(key)
-            past_deadline = wst is not None and now > wst.deadline_s
-            if now - last < idle_s and not past_deadline:
+            settled = wst is not None and now > wst.deadline_s and now - last >= settle_s
+            if now - last < idle_s and not settled:
                 continue
             done = self.close_live(key, now)
             if done is not None:

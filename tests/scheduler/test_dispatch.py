@@ -43,8 +43,10 @@ def test_a_live_workflow_is_opened_counted_and_swept_when_idle() -> None:
     d.release("w", 4.0)
     assert not d.busy("w")
     assert d.sweep_idle(now=5.0, idle_s=60.0) == []  # idle, not long, deadline ahead
-    # Past its deadline with nothing open: its outcome is settled, it closes now.
-    (closed,) = d.sweep_idle(now=6.5, idle_s=60.0)
+    # Past its deadline, but an agent's next turn may still come: not yet settled.
+    assert d.sweep_idle(now=6.5, idle_s=60.0, settle_s=3.0) == []
+    # Past its deadline with nothing open for `settle_s`: its outcome is settled.
+    (closed,) = d.sweep_idle(now=7.5, idle_s=60.0, settle_s=3.0)
     # Ended at its last activity (4.0), within its 6.0 deadline.
     assert (closed.last_s, closed.met) == (4.0, True)
     assert d.open_workflows == 0 and d.ctx.workflows.get("w") is not None
