@@ -460,17 +460,34 @@ class TokenAnswer:
         self.state: Any = None
         self.created = int(time.time())
 
-    @staticmethod
-    def _cached(usage: Any, cached: int) -> None:
+    def _cached(self, usage: Any, cached: int) -> None:
         """The prefix-cache hit in `usage`, as vLLM reports it with
-        `--enable-prompt-tokens-details` (wasma's placement reports rely on it)."""
+        `--enable-prompt-tokens-details` (wasma's placement reports rely on it; off
+        only to answer exactly as a server without the flag)."""
         from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
 
-        if usage is not None:
+        if usage is not None and self.frontend.options.prompt_tokens_details:
             usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
 
+    def _text_ids(
+        self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None
+    ) -> list[int]:
+        """The ids whose text the answer shows: as vLLM's detokenizer does, the token that
+        ended the request (end of sequence, a stop token id) is counted, not printed,
+        unless the request asked for `include_stop_str_in_output`."""
+        if finish_reason != "stop" or isinstance(stop_reason, str) or not token_ids:
+            return token_ids
+        params = self.r.generate[0].sampling_params if self.r.generate else None
+        if params is not None and params.include_stop_str_in_output:
+            return token_ids
+        return token_ids[:-1]
+
     async def whole(
-        self, token_ids: list[int], finish_reason: str | None, cached: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        cached: int = 0,
+        stop_reason: int | str | None = None,
     ) -> bytes:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             DerenderChatRequest,
@@ -481,11 +498,17 @@ class TokenAnswer:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         r = self.r
+        shown = self._text_ids(token_ids, finish_reason, stop_reason)
         gen = GenerateTokensResponse(
             request_id=r.generate[0].request_id,
             choices=[
                 GenerateTokensChoice(
-                    index=0, token_ids=token_ids, finish_reason=finish_reason or "stop"
+                    index=0,
+                    # vLLM's derenderer takes no empty choice: one that stopped at its
+                    # first token is derendered whole and its text emptied below.
+                    token_ids=shown or token_ids,
+                    finish_reason=finish_reason or "stop",
+                    stop_reason=stop_reason,
                 )
             ],
         )
@@ -513,6 +536,16 @@ class TokenAnswer:
             )
         if isinstance(out, ErrorResponse):
             raise _vllm_error(out, False)
+        if len(shown) != len(token_ids) and out.usage is not None:
+            # The stop token is generated (counted) though not shown.
+            out.usage.completion_tokens = len(token_ids)
+            out.usage.total_tokens = out.usage.prompt_tokens + len(token_ids)
+        if token_ids and not shown:
+            for choice in out.choices:
+                if r.kind == "chat":
+                    choice.message.content = ""
+                else:
+                    choice.text = ""
         self._cached(out.usage, cached)
         if getattr(r.request, "return_token_ids", False):
             # vLLM 0.32's derenderer leaves out the ids its API server returns for
@@ -530,6 +563,7 @@ class TokenAnswer:
         token_ids: list[int],
         finish_reason: str | None,
         usage: tuple[int, int, int] | None = None,
+        stop_reason: int | str | None = None,
     ) -> bytes:
         """One SSE event: `token_ids` (with `finish_reason` on the last), or, with
         `usage` (prompt, completion, cached tokens), the closing usage-only event."""
@@ -547,7 +581,10 @@ class TokenAnswer:
             if usage is not None
             else [
                 GenerateTokensStreamChoice(
-                    index=0, token_ids=token_ids, finish_reason=finish_reason
+                    index=0,
+                    token_ids=self._text_ids(token_ids, finish_reason, stop_reason),
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
                 )
             ]
         )

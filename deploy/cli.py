@@ -217,6 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
         "connect out and nothing arrives)",
     )
     sv.add_argument(
+        "--remote-tokens",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="openai engines: drive each vLLM server through its token-in/token-out "
+        "generation (/inference/v1/generate, on `vllm serve --enable-scale-out`) where the "
+        "answer fits in token ids, derendered here with vLLM's derenderer (a stream cut by "
+        "a failure continues on another engine; stream chunks are the derenderer's, not "
+        "yet byte for byte the server's); auto: where the server offers it; off (default): "
+        "pass every request's body through, answered exactly as the server answers",
+    )
+    sv.add_argument(
         "--kv-transfer",
         action="store_true",
         help="vllm engines: run the wasma KV connector so the policy can move a prefix's KV "

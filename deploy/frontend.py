@@ -32,6 +32,9 @@ class FrontendOptions:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     max_model_len: int | None = None
+    # Usage reports the prefix-cache hit (`prompt_tokens_details`), as `vllm serve
+    # --enable-prompt-tokens-details` does: on in wasma, whose placement reports read it.
+    prompt_tokens_details: bool = True
 
     def vllm_args(self) -> list[str]:
         """These options as `vllm serve` command-line flags."""

@@ -427,7 +427,7 @@ class Gateway:
                 rendered.stream,
                 rendered.needs_model,
                 rendered.needs_api,
-                Deferred(rendered.generate[0].sampling_params),
+                Deferred(rendered.generate[0]) if len(rendered.generate) == 1 else None,
             ),
             pin_engine=pin,
         )
@@ -521,7 +521,7 @@ class Gateway:
             assert rendered is not None
             status = 200
             body = await TokenAnswer(self.fe, rendered, sreq.request_id).whole(
-                res.token_ids, res.finish_reason, res.cached_tokens
+                res.token_ids, res.finish_reason, res.cached_tokens, res.stop_reason
             )
         if rendered is not None and status == 200:
             self._remember(rendered, sreq, res.engine, body)
@@ -611,7 +611,8 @@ class Gateway:
                 n_out += len(chunk.token_ids)
                 reason = chunk.finish_reason if chunk.finished else None
                 if chunk.token_ids or reason:
-                    yield await answer.chunk(list(chunk.token_ids), reason), status
+                    ids = list(chunk.token_ids)
+                    yield await answer.chunk(ids, reason, stop_reason=chunk.stop_reason), status
             if answer is not None:
                 if answer.include_usage:
                     usage = (len(sreq.prompt_token_ids), n_out, cached)

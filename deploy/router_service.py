@@ -226,6 +226,7 @@ class RouterService:
         raw: list[bytes] = []
         status = 0
         reason: str | None = None
+        stop: int | str | None = None
         try:
             async for chunk in stream:
                 ids.extend(chunk.token_ids)
@@ -236,7 +237,7 @@ class RouterService:
                 if chunk.status:
                     status = chunk.status
                 if chunk.finished:
-                    reason = chunk.finish_reason
+                    reason, stop = chunk.finish_reason, chunk.stop_reason
         finally:
             await stream.aclose()
         return ServiceResult(
@@ -248,6 +249,7 @@ class RouterService:
             "".join(text),
             b"".join(raw),
             status,
+            stop,
         )
 
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:

@@ -358,7 +358,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_outstanding=file_cfg.get("max_outstanding"),
         kv_events=kv_events,
         kv_transfer=kv_transfer,
-        engine_options=_offloading(args, file_cfg.get("engine_options", {})),
+        engine_options=_remote_tokens(args, _offloading(args, file_cfg.get("engine_options", {}))),
         retain_lease_s=_lease(file_cfg.get("retain_lease_s", DEFAULT_RETAIN_S)),
         **_reliability(file_cfg.get("reliability") or {}),
     )
@@ -454,6 +454,16 @@ def _count(value: Any, key: str) -> int:
     if not _int_in(value, 0, math.inf):
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
     return int(value)
+
+
+def _remote_tokens(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    """The engine options with `--remote-tokens` (how `openai:` engines are driven)."""
+    mode = getattr(args, "remote_tokens", None)
+    if mode is None or mode == "off":
+        return options
+    if EngineSpec.parse(args.engines).kind != "openai":
+        raise ConfigError("--remote-tokens applies to --engines openai:URL[,URL...]")
+    return {**options, "tokens_api": None if mode == "auto" else True}
 
 
 def _offloading(args: argparse.Namespace, options: Mapping[str, Any]) -> dict[str, Any]:

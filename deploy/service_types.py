@@ -86,6 +86,7 @@ class ServiceResult:
     text: str = ""
     raw: bytes = b""  # a passed-through answer's body, and its HTTP status
     status: int = 0
+    stop_reason: int | str | None = None
 
 
 def tenant_of(api_key: str | None) -> str:

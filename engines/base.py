@@ -57,7 +57,7 @@ _V = TypeVar("_V")
 
 class Deferred(Generic[_V]):
     """A value that crosses a process boundary as pickled bytes and is unpickled only
-    where it is read. vLLM's SamplingParams ride with every request to the router, which
+    where it is read. vLLM's rendered requests ride with every request to the router, which
     may run in a Ray actor over simulators only: unpickling them there would import vLLM
     (seconds, on the first request) for a value only an in-process vLLM engine reads."""
 
@@ -94,17 +94,20 @@ class EngineCall:
     and stream event exactly the server's. Engines that only take token ids ignore it,
     and refuse (`ValueError`) what they cannot give: `needs_api` names an answer that
     token ids alone cannot carry back (logprobs, `n`, a Responses or Messages answer),
-    `needs_model` one that only a real model can sample (a grammar). In-process vLLM
-    engines sample with vLLM's rendered `sampling_params` (every field vLLM honours:
-    penalties, stops, logit bias, structured outputs...)."""
+    `needs_model` one that only a real model can sample (a grammar). `generate` is the
+    request as vLLM's renderer built it (its `GenerateRequest`: token ids and the
+    `SamplingParams` with every field vLLM honours, penalties, stops, logit bias,
+    structured outputs...): in-process vLLM engines sample with its parameters, and a
+    remote vLLM server that offers token-in/token-out generation is sent it."""
 
     path: str  # e.g. "/v1/chat/completions"
     body: bytes  # the JSON body, as the client sent it
     stream: bool  # the answer is SSE
     needs_model: str = ""  # why an engine without a model cannot answer it ("" = it can)
     needs_api: str = ""  # why an engine answering in token ids cannot ("" = it can)
-    # vLLM's SamplingParams, as its renderer built them (unpickled where read).
-    sampling_params: Deferred[Any] | None = None
+    # vLLM's GenerateRequest for the (one) prompt, as its renderer built it (unpickled
+    # where read); None for a request of several prompts.
+    generate: Deferred[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +166,9 @@ class TokenChunk:
     finished: bool
     finish_reason: str | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit, reported with the first chunk
+    # What stopped a "stop" finish, as vLLM reports it: None for the end-of-sequence
+    # token, the stop token id, or the stop string.
+    stop_reason: int | str | None = None
     text: str = ""
     # A passed-through answer (`EngineCall`): bytes of the server's response body, and
     # its HTTP status on the first chunk (0 on the others and on token answers).

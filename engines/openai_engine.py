@@ -91,6 +91,7 @@ class _Choice(msgspec.Struct, gc=False):
     text: str | None = None
     token_ids: list[int] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class _StreamEvent(msgspec.Struct, gc=False):
@@ -103,6 +104,9 @@ _EVENT_DECODER = msgspec.json.Decoder(_StreamEvent)
 _JSON_DECODER = msgspec.json.Decoder()
 _JSON_ENCODER = msgspec.json.Encoder()
 
+
+# vLLM's token-in/token-out generation endpoint.
+GENERATE_PATH = "/inference/v1/generate"
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
@@ -151,6 +155,13 @@ class OpenAIEngine(EngineClient):
         request_timeout_s: float = 600.0,
         stale_after_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        # Drive the server through vLLM's token-in/token-out generation
+        # (`/inference/v1/generate`, on `vllm serve --enable-scale-out` or
+        # `--tokens-only`) where a request's answer fits in token ids; None: when the
+        # server offers it (asked at start). Off (the default): every API request is
+        # passed through, which answers exactly as the server does; vLLM 0.32's
+        # derenderer does not yet (docs/api.md, "Remote engines in token ids").
+        tokens_api: bool | None = False,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -187,6 +198,7 @@ class OpenAIEngine(EngineClient):
         self._last_ok = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self.events_received = 0
+        self.tokens_api = tokens_api
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -202,6 +214,8 @@ class OpenAIEngine(EngineClient):
             self.model = data[0].get("id")
             if data[0].get("max_model_len"):
                 self.max_model_len = int(data[0]["max_model_len"])
+        if self.tokens_api is None:
+            self.tokens_api = await self._offers_tokens_api()
         await self._scrape()
         if self._last is not None:
             if not self._fixed_block_size and self._last.block_size_tokens:
@@ -214,6 +228,16 @@ class OpenAIEngine(EngineClient):
         self._tasks.append(loop.create_task(self._scrape_loop()))
         if self._kv_endpoint:
             self._tasks.append(loop.create_task(self._kv_loop(self._kv_endpoint)))
+
+    async def _offers_tokens_api(self) -> bool:
+        """Whether the server answers token-in/token-out generation: an empty request
+        is refused (400/422) where the route exists and is a 404 where it does not."""
+        try:
+            resp = await self._http.post(GENERATE_PATH, json={}, timeout=10.0)
+        except httpx.HTTPError as exc:
+            log.debug("engine %s: token generation probe failed: %s", self.name, exc)
+            return False
+        return resp.status_code not in (404, 405) and resp.status_code < 500
 
     def _open_session(self) -> Any:
         """An aiohttp session for the token streams, or None (httpx carries them) where
@@ -381,22 +405,30 @@ class OpenAIEngine(EngineClient):
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        if request.call is not None:
-            async for piece in self._forward(request, request.call):
-                yield piece
-            return
-        content = _JSON_ENCODER.encode(self._body(request))
+        call = request.call
+        path = "/v1/completions"
+        if call is not None:
+            if not (self.tokens_api and call.generate is not None and not call.needs_api):
+                async for piece in self._forward(request, call):
+                    yield piece
+                return
+            # Token ids out: the gateway derenders them with vLLM's derenderer, and a
+            # stream cut by a failure continues on another engine from them.
+            content = self._generate_body(request, call.generate.get())
+            path = GENERATE_PATH
+        else:
+            content = _JSON_ENCODER.encode(self._body(request))
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
         # The finishing chunk is held back until the usage event that follows it (it
         # carries the cache hit), so `finished` comes exactly once, last.
         last: TokenChunk | None = None
-        async for data in self._post_stream(content, headers):
+        async for data in self._post_stream(content, headers, path):
             try:
                 event = _EVENT_DECODER.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise RemoteEngineError(f"{self.name}: bad stream event: {exc}") from None
             if event.error is not None:
-                raise RemoteEngineError(f"{self.name}: {event.error}")
+                raise _stream_error(self.name, event.error)
             chunk = _chunk_of(event)
             if chunk is None:
                 continue
@@ -411,6 +443,29 @@ class OpenAIEngine(EngineClient):
         if last is None:
             raise RemoteEngineError(f"{self.name}: stream ended without finishing")
         yield last
+
+    def _generate_body(self, request: GenerateRequest, rendered: Any) -> bytes:
+        """vLLM's rendered `GenerateRequest` for this engine: the router's prompt (a
+        continuation carries the tokens already sent) and token budget, a streamed
+        answer with its usage (the cache hit), the retention tags as `extra_args`."""
+        from vllm.entrypoints.generate.base.protocol import StreamOptions
+
+        params = rendered.sampling_params.clone()
+        params.max_tokens = request.max_tokens
+        xargs = request.retention_args()
+        if xargs:
+            params.extra_args = {**(params.extra_args or {}), **xargs}
+        body = rendered.model_copy(
+            update={
+                "request_id": request.request_id,
+                "token_ids": list(request.prompt_token_ids),
+                "sampling_params": params,
+                "stream": True,
+                "stream_options": StreamOptions(include_usage=True),
+            }
+        )
+        out: bytes = body.model_dump_json().encode()
+        return out
 
     def _call_body(self, request: GenerateRequest, call: EngineCall) -> bytes:
         """The client's body, with the router's retention tags merged into its
@@ -506,14 +561,17 @@ class OpenAIEngine(EngineClient):
             raise ValueError(_error_message(text, status))
         raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
 
-    async def _post_stream(self, content: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        """POST a streamed completion; the `data:` payloads of its SSE answer. Closing the
-        iterator early closes the connection, which makes vLLM abort the request."""
+    async def _post_stream(
+        self, content: bytes, headers: dict[str, str], path: str = "/v1/completions"
+    ) -> AsyncIterator[bytes]:
+        """POST a streamed generation to `path`; the `data:` payloads of its SSE answer.
+        Closing the iterator early closes the connection, which makes vLLM abort the
+        request."""
         if self._aio is None:
             # An injected httpx transport (tests) or no running aiohttp session yet.
             try:
                 async with self._http.stream(
-                    "POST", "/v1/completions", content=content, headers=headers
+                    "POST", path, content=content, headers=headers
                 ) as resp:
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")
@@ -525,7 +583,7 @@ class OpenAIEngine(EngineClient):
             return
         import aiohttp
 
-        url = self.base_url + "/v1/completions"
+        url = self.base_url + path
         try:
             answer = await self._post_aio(url, content, headers)
             async with answer:
@@ -581,7 +639,19 @@ def _chunk_of(event: _StreamEvent) -> TokenChunk | None:
     choice = choices[0]
     reason = choice.finish_reason
     ids = tuple(choice.token_ids) if choice.token_ids else ()
-    return TokenChunk(ids, reason is not None, reason, cached, choice.text or "")
+    return TokenChunk(
+        ids, reason is not None, reason, cached, choice.stop_reason, choice.text or ""
+    )
+
+
+def _stream_error(name: str, error: Any) -> Exception:
+    """An error event in a token stream: the request's own fault where the server says
+    so with a 4xx code (a stop token id out of the vocabulary), else the server's."""
+    if isinstance(error, dict):
+        code = error.get("code")
+        if isinstance(code, int) and 400 <= code < 500 and "message" in error:
+            return ValueError(str(error["message"]))
+    return RemoteEngineError(f"{name}: {error}")
 
 
 def _error_message(text: str, status: int) -> str:

@@ -504,6 +504,7 @@ class VLLMEngine(EngineClient):
                 finished=out.finished,
                 finish_reason=comp.finish_reason if comp is not None else None,
                 num_cached_tokens=(out.num_cached_tokens or 0) if first else None,
+                stop_reason=comp.stop_reason if comp is not None else None,
                 text=comp.text if comp is not None else "",
             )
             first = False
@@ -518,8 +519,8 @@ class VLLMEngine(EngineClient):
         from vllm.sampling_params import RequestOutputKind
 
         call = request.call
-        if call is not None and call.sampling_params is not None:
-            params = call.sampling_params.get().clone()
+        if call is not None and call.generate is not None:
+            params = call.generate.get().sampling_params.clone()
             if params.seed is not None and params.temperature == 0:
                 params.seed = None  # greedy: the seed changes nothing (see below)
             if params.seed is not None and self.shared_host:
