@@ -133,12 +133,12 @@ def _is_valid(path: Path) -> bool:
 
 def write_tiny_model(dir: str) -> Path:
     """Write the tiny model to `dir` (skipped if a valid copy is already there)."""
+    path = Path(dir).resolve()
+    if _is_valid(path):
+        return path  # before the imports: torch and transformers take seconds to load
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path = Path(dir).resolve()
-    if _is_valid(path):
-        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build in a sibling temp dir and swap it in, so a crash never leaves a directory
     # that passes the validity check with missing or partial weights.
