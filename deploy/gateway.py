@@ -302,7 +302,8 @@ class Gateway:
             if path in POOLING_PATHS:
                 await self._pooling(scope, receive, send, path, body, data)
                 return
-            await self._generate(scope, receive, send, GENERATE_PATHS[path], path, body, data)
+            with self.fe.inline(len(body)):  # a small request skips the renderer's threads
+                await self._generate(scope, receive, send, GENERATE_PATHS[path], path, body, data)
         except ApiAnswer as exc:
             await _send_error(send, exc)
         except ServiceError as exc:

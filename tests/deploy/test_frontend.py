@@ -1,0 +1,72 @@
+"""vLLM's front end in the gateway: small requests render on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from wasma.deploy.frontend import INLINE_BODY_BYTES, InlineWhenSmall
+
+
+def test_small_work_runs_inline_and_the_rest_on_the_pool() -> None:
+    pool = ThreadPoolExecutor(max_workers=1)
+    ex = InlineWhenSmall(pool)
+    here = threading.get_ident()
+    try:
+        assert ex.submit(threading.get_ident).result() != here  # not marked: the pool
+        token = ex.small.set(True)
+        try:
+            assert ex.submit(threading.get_ident).result() == here
+            failed = ex.submit(int, "x")  # an error reaches the caller, as from the pool
+            with pytest.raises(ValueError):
+                failed.result()
+        finally:
+            ex.small.reset(token)
+        assert ex.submit(threading.get_ident).result() != here
+    finally:
+        ex.shutdown()
+
+
+def test_a_small_request_renders_on_the_loop_to_the_same_ids(sim_frontend: Any) -> None:
+    """vLLM 0.32's renderer takes the wrapper (the optimisation is on), and a request
+    rendered inline gets exactly the ids and parameters the threaded render gives; a
+    large one stays on the renderer's threads."""
+    from wasma.deploy.api import render
+
+    fe = sim_frontend
+    assert fe._inline is not None
+    body = {
+        "model": "wasma-sim",
+        "messages": [{"role": "user", "content": "the planner reads the plan"}],
+        "max_tokens": 5,
+    }
+    threads: list[int] = []
+    pool_submit = fe._inline.pool.submit
+
+    def counting(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return pool_submit(fn, *args, **kwargs)
+
+    fe._inline.pool.submit = counting
+    try:
+
+        async def both() -> tuple[Any, Any, Any]:
+            threaded = await render(fe, "chat", dict(body))
+            calls = len(threads)
+            with fe.inline(200):
+                inline = await render(fe, "chat", dict(body))
+            assert len(threads) == calls  # nothing went to the pool
+            with fe.inline(INLINE_BODY_BYTES + 1):
+                large = await render(fe, "chat", dict(body))
+            assert len(threads) > calls
+            return threaded, inline, large
+
+        threaded, inline, large = asyncio.run(both())
+    finally:
+        del fe._inline.pool.submit
+    assert threaded.token_ids == inline.token_ids == large.token_ids
+    assert inline.generate[0].sampling_params == threaded.generate[0].sampling_params
