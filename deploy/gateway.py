@@ -53,6 +53,10 @@ from wasma.deploy.service_types import ServiceError, ServiceRequest, tenant_of
 from wasma.engines.base import Deferred, EngineCall
 
 log = logging.getLogger(__name__)
+
+# vLLM's streams are Starlette's `StreamingResponse(media_type="text/event-stream")`,
+# which names the charset.
+SSE_TYPE = b"text/event-stream; charset=utf-8"
 T = TypeVar("T")
 
 RouterFactory = Callable[[], Awaitable[RouterClient]]
@@ -548,7 +552,7 @@ class Gateway:
             first_raw = b""
             async for piece, status in self._sse(tstream, sreq, rendered):
                 if not started:
-                    ctype = b"text/event-stream" if status == 200 else b"application/json"
+                    ctype = SSE_TYPE if status == 200 else b"application/json"
                     headers = [
                         (b"content-type", ctype),
                         (b"cache-control", b"no-cache"),
@@ -567,7 +571,7 @@ class Gateway:
                     {
                         "type": "http.response.start",
                         "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")],
+                        "headers": [(b"content-type", SSE_TYPE)],
                     }
                 )
             await send({"type": "http.response.body", "body": b""})

