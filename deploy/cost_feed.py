@@ -83,6 +83,8 @@ class CostFeed:
         cal = self.calibrator
         if cal is None or live.first_s is None or live.failovers:
             return
+        if live.raw_sent and live.n_out == 0:
+            return  # a passed-through stream without usage: its output length is unknown
         queued, others, ctx_tokens = live.load_at_dispatch
         prompt = len(live.req.prompt_token_ids)
         timing = RequestTiming(

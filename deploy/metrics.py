@@ -366,7 +366,8 @@ class WasmaMetrics:
         cached_tokens: int,
         output_tokens: int = 0,
     ) -> None:
-        """A request finished on `engine`. `ttft_s` is None when no token was produced."""
+        """A request finished on `engine`. `ttft_s` is None when no token was produced, or
+        when the gateway cannot know when the first one was (a passed-through whole answer)."""
         if cached_tokens > prompt_tokens:
             raise ValueError("cached_tokens cannot exceed prompt_tokens")
         if ttft_s is not None:

@@ -54,6 +54,29 @@ from wasma.scheduler.workflow import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
+# Usage fields naming output tokens: OpenAI's chat and completions, and Responses' and
+# Anthropic Messages' (`output_tokens`).
+_OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
+
+
+def output_tokens_in(raw: bytes) -> int:
+    """The output-token count of the last usage object in a piece of a passed-through
+    answer, or 0. A bytes search, not a JSON parse: it runs on every streamed piece."""
+    best = 0
+    for key in _OUTPUT_KEYS:
+        at = raw.rfind(key)
+        if at < 0:
+            continue
+        i = at + len(key)
+        while i < len(raw) and raw[i] in b" \t":
+            i += 1
+        j = i
+        while j < len(raw) and 48 <= raw[j] <= 57:
+            j += 1
+        if j > i:
+            best = max(best, int(raw[i:j]))
+    return best
+
 
 class RouterService:
     """Places requests on engines with a policy and tracks them to the end."""
@@ -253,7 +276,14 @@ class RouterService:
         )
 
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
-        if live.first_s is None and (chunk.token_ids or chunk.finished):
+        call = live.req.call
+        if live.first_s is None and (
+            chunk.token_ids
+            # A passed-through stream's first bytes come with its first output; a
+            # passed-through whole answer says nothing of when its first token came.
+            or (chunk.raw and call is not None and call.stream)
+            or (chunk.finished and not chunk.raw and not live.raw_sent)
+        ):
             live.first_s = self.now()
             self.dispatch.on_first_token(live.req.request_id)
         # In-process engines report the hit with the first chunk; a remote server only in
@@ -266,6 +296,9 @@ class RouterService:
             live.out_ids.extend(chunk.token_ids)
         if chunk.raw:
             live.raw_sent = True
+            # The server's own count, where its answer carries usage (a whole answer, a
+            # stream with include_usage): the output-token metrics and calibration.
+            live.n_out = max(live.n_out, output_tokens_in(chunk.raw))
         if chunk.finished and chunk.finish_reason != "abort":
             self.health_check.engine_ok(live.slot)
 

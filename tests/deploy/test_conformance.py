@@ -501,3 +501,43 @@ def test_an_agent_framework_runs_a_workflow_through_wasma(wasma_url: str) -> Non
     status = httpx.get(wasma_url + "/v1/workflows/agents-wf").json()
     assert {n["id"] for n in status["nodes"]} == {"plan", "work0", "work1", "review"}
     assert all(n["status"] == "finished" and n["engine"] for n in status["nodes"])
+
+
+def _metric(base: str, name: str) -> float:
+    """The sum of a metric's samples on wasma's /metrics."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_passed_through_answers_count_their_tokens_and_their_first_token(wasma_url: str) -> None:
+    """The router sees a passed-through answer as bytes: its output tokens come from the
+    server's usage, a stream's first token from its first bytes (not its end), and a
+    whole answer, which says nothing of its first token, gives no TTFT sample."""
+    out = "wasma_output_tokens_total"
+    ttft = "wasma_request_ttft_seconds_count"
+    _, body = chat(max_tokens=6, ignore_eos=True)
+    with httpx.Client(timeout=120) as client:
+        before, ttft_before = _metric(wasma_url, out), _metric(wasma_url, ttft)
+        whole = client.post(wasma_url + "/v1/chat/completions", json=body).json()
+        assert _metric(wasma_url, out) - before == whole["usage"]["completion_tokens"] == 6
+        assert _metric(wasma_url, ttft) == ttft_before
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", wasma_url + "/v1/chat/completions", json=streamed) as r:
+            assert r.status_code == 200
+            for _ in r.iter_lines():
+                pass
+        assert _metric(wasma_url, out) - before == 12
+        assert _metric(wasma_url, ttft) == ttft_before + 1
+
+
+def test_output_tokens_are_read_from_the_last_usage_in_a_piece() -> None:
+    from wasma.deploy.router_service import output_tokens_in
+
+    assert output_tokens_in(b'data: {"usage":{"prompt_tokens":9,"completion_tokens":16}}') == 16
+    assert output_tokens_in(b'{"usage": {"input_tokens": 3, "output_tokens": 7}}') == 7
+    assert output_tokens_in(b'data: {"choices":[{"delta":{"content":"x"}}]}') == 0
+    assert output_tokens_in(b'"completion_tokens": ') == 0
