@@ -4,6 +4,7 @@ with link sharing, keeps the fastest, and learns link speeds from measured trans
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
@@ -30,6 +31,8 @@ PIPELINED = frozenset(
 # Pieces summed over a plan's hops that pricing simulates at most: a packing of many
 # trees gets fewer pieces per hop, so planning it stays a few milliseconds.
 MAX_PIECES = 65536
+# A preset's GPU names, whose host index the symmetry memo of `estimate_s` drops.
+_PRESET_GPU = re.compile(r"n(\d+)\.gpu(\d+)")
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
@@ -57,6 +60,7 @@ class Planner:
         ewma_weight: float = 0.3,
         algorithms: Iterable[str] | None = None,
         message_window: int = 16,
+        by_symmetry: bool = True,
     ) -> None:
         if not 0 < ewma_weight <= 1:
             raise ValueError("ewma_weight must be in (0, 1]")
@@ -70,6 +74,10 @@ class Planner:
         self.plans_computed = 0  # how often a plan was built (memoisation shows here)
         self._memo: dict[tuple[str, frozenset[str], int], tuple[float, float, float]] = {}
         self._memo_version = self.links.version
+        # On hosts wired alike and a link table still as built (no load, no learned
+        # speed), one GPU pair's octave price stands for every pair of its class.
+        self.by_symmetry = by_symmetry and topology.hosts_alike
+        self._class_memo: dict[tuple[bool, str, str, int], tuple[float, float, float]] = {}
         # Per link-table version: the flow network, packings and bounds per (holders,
         # destinations), and finished plans per request.
         self._cache_version = -1
@@ -314,10 +322,30 @@ class Planner:
         key = (src, frozenset((dsts,) if isinstance(dsts, str) else dsts), octave)
         entry = self._memo.get(key)
         if entry is None:
-            entry = self._price_octave(src, dsts, octave)
+            klass = self._symmetry_class(src, key[1], octave)
+            if klass is not None:
+                entry = self._class_memo.get(klass)
+            if entry is None:
+                entry = self._price_octave(src, dsts, octave)
+                if klass is not None:
+                    self._class_memo[klass] = entry
             self._memo[key] = entry
         low_bytes, low_s, slope = entry
         return low_s + (num_bytes - low_bytes) * slope
+
+    def _symmetry_class(
+        self, src: str, dsts: frozenset[str], octave: int
+    ) -> tuple[bool, str, str, int] | None:
+        """(same host, source GPU, destination GPU, octave) for one preset GPU pair on
+        the link table as built; None where the pair's own price must be computed."""
+        if not self.by_symmetry or self.links.version != 0 or len(dsts) != 1:
+            return None
+        (dst,) = dsts
+        a = _PRESET_GPU.fullmatch(src)
+        b = _PRESET_GPU.fullmatch(dst)
+        if a is None or b is None or src == dst:
+            return None
+        return (a[1] == b[1], a[2], b[2], octave)
 
     def _price_octave(
         self, src: str, dsts: Sequence[str] | str, octave: int

@@ -62,7 +62,9 @@ def build_preset(name: str, nodes: int = 1) -> Topology:
         _add_node(builder, f"n{node}", shape)
     if nodes > 1:
         _add_fat_tree(builder, nodes, shape)
-    return builder.build()
+    topology = builder.build()
+    topology.hosts_alike = True
+    return topology
 
 
 def _add_node(builder: TopologyBuilder, host: str, shape: NodeShape) -> None:

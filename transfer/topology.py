@@ -56,6 +56,9 @@ class Topology:
 
     def __init__(self, graph: nx.Graph, name: str = "topology") -> None:
         self.name = name
+        # True when every host `n{k}` is wired alike (a preset): a GPU pair's transfer
+        # price then depends only on its GPU indices and whether it shares a host.
+        self.hosts_alike = False
         self._graph = graph.copy()
         validate_graph(self._graph)
         self._graph.graph["frozen"] = True
