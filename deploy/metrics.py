@@ -193,8 +193,10 @@ class WasmaMetrics:
         MetricSpec("wasma_output_tokens_total", "counter",
                    "Output tokens engines generated for the gateway's requests.", ("engine",)),
         MetricSpec("wasma_request_inter_token_seconds", "histogram",
-                   "Mean time between two output tokens of a request (its decode time over "
-                   "its tokens after the first), one sample a request.", ("engine",),
+                   "Time between two consecutive output tokens of a request, one sample a "
+                   "token after the first (as vLLM's inter_token_latency_seconds; a chunk "
+                   "of several tokens shares its gap; a passed-through stream: one a read).",
+                   ("engine",),
                    ITL_BUCKETS_S),
         MetricSpec("wasma_engine_preemptions_total", "counter",
                    "Requests the engine preempted (engine-reported; vLLM's num_preemptions).",
@@ -387,9 +389,14 @@ class WasmaMetrics:
             self._counters["wasma_output_tokens_total"].labels(engine).inc(
                 self._non_negative(output_tokens, "output_tokens")
             )
-        if ttft_s is not None and output_tokens > 1:
-            itl = max(e2e_s - ttft_s, 0.0) / (output_tokens - 1)
-            self._histograms["wasma_request_inter_token_seconds"].labels(engine).observe(itl)
+
+    def observe_inter_token(self, engine: str, seconds: float, tokens: int = 1) -> None:
+        """`engine` produced a request's next `tokens` output tokens `seconds` after its
+        previous output: `tokens` samples of an equal share of the gap."""
+        hist = self._histograms["wasma_request_inter_token_seconds"].labels(engine)
+        each = max(seconds, 0.0) / tokens
+        for _ in range(tokens):
+            hist.observe(each)
 
     def observe_preemptions(self, engine: str, count: int) -> None:
         if count > 0:

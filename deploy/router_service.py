@@ -59,6 +59,12 @@ log = logging.getLogger(__name__)
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 
 
+def _carries_output(raw: bytes) -> bool:
+    """Whether a passed-through stream's read holds generated text (a usage-only or
+    `[DONE]` event does not): each SSE protocol vLLM speaks names it `delta` or `text`."""
+    return b'"delta"' in raw or b'"text"' in raw
+
+
 def output_tokens_in(raw: bytes) -> int:
     """The output-token count of the last usage object in a piece of a passed-through
     answer, or 0. A bytes search, not a JSON parse: it runs on every streamed piece."""
@@ -277,6 +283,18 @@ class RouterService:
 
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
         call = live.req.call
+        now = self.now()
+        if live.first_s is not None and (
+            chunk.token_ids
+            or (chunk.raw and call is not None and call.stream and _carries_output(chunk.raw))
+        ):
+            # One sample a token after the first, as vLLM's own histogram (one an engine
+            # step, a token a step without speculative decoding). A chunk of k tokens (a
+            # simulated engine's closed-form decode stretch, a reader that fell behind)
+            # spreads its gap over them; a passed-through read counts as one.
+            self.metrics.observe_inter_token(
+                self.engines[live.slot].name, now - live.last_s, len(chunk.token_ids) or 1
+            )
         if live.first_s is None and (
             chunk.token_ids
             # A passed-through stream's first bytes come with its first output; a
@@ -284,14 +302,14 @@ class RouterService:
             or (chunk.raw and call is not None and call.stream)
             or (chunk.finished and not chunk.raw and not live.raw_sent)
         ):
-            live.first_s = self.now()
+            live.first_s = now
             self.dispatch.on_first_token(live.req.request_id)
         # In-process engines report the hit with the first chunk; a remote server only in
         # its final usage: take it whenever it comes.
         if chunk.num_cached_tokens:
             live.cached = chunk.num_cached_tokens
         live.n_out += len(chunk.token_ids)
-        live.last_s = self.health_check.progress[live.slot] = self.now()
+        live.last_s = self.health_check.progress[live.slot] = now
         if chunk.token_ids:
             live.out_ids.extend(chunk.token_ids)
         if chunk.raw:

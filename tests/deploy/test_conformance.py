@@ -519,12 +519,15 @@ def test_passed_through_answers_count_their_tokens_and_their_first_token(wasma_u
     whole answer, which says nothing of its first token, gives no TTFT sample."""
     out = "wasma_output_tokens_total"
     ttft = "wasma_request_ttft_seconds_count"
+    itl = "wasma_request_inter_token_seconds_count"
     _, body = chat(max_tokens=6, ignore_eos=True)
     with httpx.Client(timeout=120) as client:
         before, ttft_before = _metric(wasma_url, out), _metric(wasma_url, ttft)
+        itl_before = _metric(wasma_url, itl)
         whole = client.post(wasma_url + "/v1/chat/completions", json=body).json()
         assert _metric(wasma_url, out) - before == whole["usage"]["completion_tokens"] == 6
         assert _metric(wasma_url, ttft) == ttft_before
+        assert _metric(wasma_url, itl) == itl_before  # a whole answer has no token times
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         with client.stream("POST", wasma_url + "/v1/chat/completions", json=streamed) as r:
             assert r.status_code == 200
@@ -532,6 +535,8 @@ def test_passed_through_answers_count_their_tokens_and_their_first_token(wasma_u
                 pass
         assert _metric(wasma_url, out) - before == 12
         assert _metric(wasma_url, ttft) == ttft_before + 1
+        # One sample a read that carried text after the first: at most the 5 gaps.
+        assert 1 <= _metric(wasma_url, itl) - itl_before <= 5
 
 
 def test_output_tokens_are_read_from_the_last_usage_in_a_piece() -> None:

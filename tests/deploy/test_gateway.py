@@ -643,3 +643,40 @@ def test_fuzzed_requests_never_get_a_5xx(
     assert resp.status_code < 500, resp.text
     if resp.status_code >= 400:
         _assert_openai_error(resp, resp.status_code)
+
+
+def _metric_sum(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_inter_token_latency_is_one_sample_an_engine_step(
+    server: ServerThread, client: openai.OpenAI
+) -> None:
+    """As vLLM's histogram: every token after the first is a sample (not one mean a
+    request), and the gaps add up to at most the time from the first token to the end."""
+    names = (
+        "wasma_request_inter_token_seconds_count",
+        "wasma_request_inter_token_seconds_sum",
+        "wasma_request_e2e_seconds_sum",
+        "wasma_request_ttft_seconds_sum",
+    )
+    before = [_metric_sum(server.url, n) for n in names]
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="tick tock",
+        max_tokens=24,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    pieces = [c for c in stream if c.choices and c.choices[0].text]
+    count, itl_sum, e2e_sum, ttft_sum = (
+        _metric_sum(server.url, n) - b for n, b in zip(names, before, strict=True)
+    )
+    # A simulated engine streams a decode stretch as one chunk: its tokens are samples.
+    assert len(pieces) >= 2 and 2 <= count <= 23
+    assert 0 < itl_sum <= e2e_sum - ttft_sum
