@@ -59,10 +59,14 @@ log = logging.getLogger(__name__)
 _OUTPUT_KEYS = (b'"completion_tokens":', b'"output_tokens":')
 
 
-def _carries_output(raw: bytes) -> bool:
-    """Whether a passed-through stream's read holds generated text (a usage-only or
-    `[DONE]` event does not): each SSE protocol vLLM speaks names it `delta` or `text`."""
-    return b'"delta"' in raw or b'"text"' in raw
+def output_events_in(raw: bytes) -> int:
+    """How many events of a passed-through stream's read hold generated output (a
+    usage-only or `[DONE]` event does not): each SSE protocol vLLM speaks names it `delta`
+    or `text`. Counted per event, not per read: a reader that falls behind gets several
+    events in one read, and each is a step of the engine's."""
+    if b'"delta"' not in raw and b'"text"' not in raw:
+        return 0
+    return sum(1 for event in raw.split(b"\n\n") if b'"delta"' in event or b'"text"' in event)
 
 
 def output_tokens_in(raw: bytes) -> int:
@@ -284,17 +288,20 @@ class RouterService:
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
         call = live.req.call
         now = self.now()
-        if live.first_s is not None and (
-            chunk.token_ids
-            or (chunk.raw and call is not None and call.stream and _carries_output(chunk.raw))
-        ):
-            # One sample a token after the first, as vLLM's own histogram (one an engine
-            # step, a token a step without speculative decoding). A chunk of k tokens (a
-            # simulated engine's closed-form decode stretch, a reader that fell behind)
-            # spreads its gap over them; a passed-through read counts as one.
+        # One inter-token sample a token after the first, as vLLM's own histogram (one an
+        # engine step, a token a step without speculative decoding). A chunk of k tokens (a
+        # simulated engine's closed-form decode stretch, a reader that fell behind) spreads
+        # its gap over them; a passed-through read counts its output events; tokens that
+        # came with the first one came with no gap.
+        outputs = len(chunk.token_ids)
+        if not outputs and chunk.raw and call is not None and call.stream:
+            outputs = output_events_in(chunk.raw)
+        if outputs and live.first_s is not None:
             self.metrics.observe_inter_token(
-                self.engines[live.slot].name, now - live.last_s, len(chunk.token_ids) or 1
+                self.engines[live.slot].name, now - live.last_s, outputs
             )
+        elif outputs > 1:
+            self.metrics.observe_inter_token(self.engines[live.slot].name, 0.0, outputs - 1)
         if live.first_s is None and (
             chunk.token_ids
             # A passed-through stream's first bytes come with its first output; a
