@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from wasma.transfer.plan import Hop
@@ -83,13 +83,38 @@ class LinkTable:
             d.name: d.throughput_Bps for d in topology.devices() if d.throughput_Bps is not None
         }
         self.version = 0  # bumps on every change, so callers can drop memoised prices
+        # Bumps when a link's bandwidth, latency or a device's throughput is set (learned
+        # from measurements): with the failures and the reservations, all a price reads.
+        self._tuned = 0
+        self._state: tuple[int, frozenset[DirectedLink], frozenset[tuple[DirectedLink, int]]]
+        self._state = self._state_now()
 
     # state -------------------------------------------------------------------------------
-    def _changed(self, capacity: bool = True) -> None:
+    def _changed(self, capacity: bool = True, tuned: bool = False) -> None:
         self._paths.clear()
         if capacity:
             self._flows.clear()
+        if tuned:
+            self._tuned += 1
         self.version += 1
+        self._state = self._state_now()
+
+    def _state_now(
+        self,
+    ) -> tuple[int, frozenset[DirectedLink], frozenset[tuple[DirectedLink, int]]]:
+        return (self._tuned, frozenset(self._down), frozenset(self._load.items()))
+
+    @property
+    def state(self) -> Hashable:
+        """Everything a plan's price depends on, as a key: two moments with equal keys
+        price every plan alike. Unlike `version`, a reservation released brings the key
+        back (the common case: a transfer's links are loaded while it runs, idle after)."""
+        return self._state
+
+    @property
+    def as_built(self) -> bool:
+        """No speed learned, nothing down, nothing reserved."""
+        return self._state == (0, frozenset(), frozenset())
 
     def _check(self, u: str, v: str) -> DirectedLink:
         if (u, v) not in self._bandwidth:
@@ -121,7 +146,7 @@ class LinkTable:
         if not bandwidth_Bps > 0:
             raise ValueError("bandwidth must be positive")
         self._bandwidth[self._check(u, v)] = bandwidth_Bps
-        self._changed()
+        self._changed(tuned=True)
 
     def throughput(self, node: str) -> float | None:
         return self._throughput.get(node)
@@ -132,13 +157,13 @@ class LinkTable:
         if not throughput_Bps > 0:
             raise ValueError("throughput must be positive")
         self._throughput[node] = throughput_Bps
-        self._changed(capacity=False)
+        self._changed(capacity=False, tuned=True)
 
     def set_latency(self, u: str, v: str, latency_s: float) -> None:
         if not latency_s >= 0:
             raise ValueError("latency must be >= 0")
         self._latency[self._check(u, v)] = latency_s
-        self._changed(capacity=False)
+        self._changed(capacity=False, tuned=True)
 
     def mark_down(self, u: str, v: str) -> None:
         """Both directions: a failed cable or port carries nothing either way."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from wasma.transfer import algorithms as alg
 from wasma.transfer.costmodel import LinkTable
@@ -31,11 +31,26 @@ PIPELINED = frozenset(
 # Pieces summed over a plan's hops that pricing simulates at most: a packing of many
 # trees gets fewer pieces per hop, so planning it stays a few milliseconds.
 MAX_PIECES = 65536
+# Link-table states whose octave prices `estimate_s` keeps (the idle table and a few
+# with transfers reserved).
+MEMO_STATES = 8
+# An octave's price: (its low end in bytes, seconds there, seconds per byte above it).
+Octave = tuple[float, float, float]
 # A preset's GPU names, whose host index the symmetry memo of `estimate_s` drops.
 _PRESET_GPU = re.compile(r"n(\d+)\.gpu(\d+)")
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
+
+
+@dataclass(slots=True)
+class _StateCaches:
+    """What `Planner` computed at one link-table state."""
+
+    network: FlowNetwork | None
+    packings: dict[tuple[tuple[str, ...], frozenset[str]], Packing | None]
+    bounds: dict[tuple[tuple[str, ...], frozenset[str]], tuple[float, float]]
+    plans: dict[tuple[object, ...], TransferPlan]
 
 
 class Planner:
@@ -72,15 +87,20 @@ class Planner:
         self.ewma_weight = ewma_weight
         self.algorithms = self._check_algorithms(algorithms or ALGORITHMS)
         self.plans_computed = 0  # how often a plan was built (memoisation shows here)
-        self._memo: dict[tuple[str, frozenset[str], int], tuple[float, float, float]] = {}
-        self._memo_version = self.links.version
+        # Octave prices per link-table state (`LinkTable.state`), the few most recent
+        # states kept: reservations come and go with every transfer, and prices made at
+        # an idle table stay good for the next idle moment.
+        self._memos: dict[Hashable, dict[tuple[str, frozenset[str], int], Octave]] = {}
         # On hosts wired alike and a link table still as built (no load, no learned
         # speed), one GPU pair's octave price stands for every pair of its class.
         self.by_symmetry = by_symmetry and topology.hosts_alike
-        self._class_memo: dict[tuple[bool, str, str, int], tuple[float, float, float]] = {}
-        # Per link-table version: the flow network, packings and bounds per (holders,
-        # destinations), and finished plans per request.
+        self._class_memo: dict[tuple[bool, str, str, int], Octave] = {}
+        # Per link-table state (the few most recent): the flow network, packings and
+        # bounds per (holders, destinations), and finished plans per request. Keyed by
+        # state, not version, so a reservation made and released keeps them.
         self._cache_version = -1
+        self._cache_state: Hashable = None
+        self._saved: dict[Hashable, _StateCaches] = {}
         self._network: FlowNetwork | None = None
         self._packings: dict[tuple[tuple[str, ...], frozenset[str]], Packing | None] = {}
         self._bounds: dict[tuple[tuple[str, ...], frozenset[str]], tuple[float, float]] = {}
@@ -191,12 +211,22 @@ class Planner:
         return self._network
 
     def _refresh(self) -> None:
-        if self._cache_version != self.links.version:
-            self._network = None
-            self._packings.clear()
-            self._bounds.clear()
-            self._plans.clear()
-            self._cache_version = self.links.version
+        if self._cache_version == self.links.version:
+            return
+        self._cache_version = self.links.version
+        state = self.links.state
+        if state == self._cache_state:
+            return  # changed and changed back (a reservation released)
+        if self._cache_state is not None:
+            self._saved[self._cache_state] = _StateCaches(
+                self._network, self._packings, self._bounds, self._plans
+            )
+            while len(self._saved) > MEMO_STATES:
+                del self._saved[next(iter(self._saved))]  # the oldest state
+        self._cache_state = state
+        kept = self._saved.pop(state, None) or _StateCaches(None, {}, {}, {})
+        self._network, self._packings = kept.network, kept.packings
+        self._bounds, self._plans = kept.bounds, kept.plans
 
     def _flow_plans(
         self, sources: tuple[str, ...], targets: tuple[str, ...], num_bytes: int
@@ -315,21 +345,28 @@ class Planner:
         Memoised per (src, destination set, size octave): the best plan is priced at the
         octave's two ends once, and sizes between are interpolated linearly (the best-plan
         time is concave in size, so this errs low by a little inside an octave)."""
-        if self._memo_version != self.links.version:
-            self._memo.clear()
-            self._memo_version = self.links.version
+        state = self.links.state
+        memo = self._memos.get(state)
+        if memo is None:
+            if len(self._memos) >= MEMO_STATES:
+                del self._memos[next(iter(self._memos))]  # the oldest state
+            memo = self._memos[state] = {}
         octave = num_bytes.bit_length()
         key = (src, frozenset((dsts,) if isinstance(dsts, str) else dsts), octave)
-        entry = self._memo.get(key)
+        entry = memo.get(key)
         if entry is None:
             klass = self._symmetry_class(src, key[1], octave)
             if klass is not None:
                 entry = self._class_memo.get(klass)
             if entry is None:
-                entry = self._price_octave(src, dsts, octave)
+                # Every octave of a class is priced on one pair of it: its flow network,
+                # bound and packing are then computed once, not once an octave.
+                pair = self._representative(klass) if klass is not None else None
+                at, to = pair if pair is not None else (src, dsts)
+                entry = self._price_octave(at, to, octave)
                 if klass is not None:
                     self._class_memo[klass] = entry
-            self._memo[key] = entry
+            memo[key] = entry
         low_bytes, low_s, slope = entry
         return low_s + (num_bytes - low_bytes) * slope
 
@@ -338,7 +375,7 @@ class Planner:
     ) -> tuple[bool, str, str, int] | None:
         """(same host, source GPU, destination GPU, octave) for one preset GPU pair on
         the link table as built; None where the pair's own price must be computed."""
-        if not self.by_symmetry or self.links.version != 0 or len(dsts) != 1:
+        if not self.by_symmetry or not self.links.as_built or len(dsts) != 1:
             return None
         (dst,) = dsts
         a = _PRESET_GPU.fullmatch(src)
@@ -347,9 +384,16 @@ class Planner:
             return None
         return (a[1] == b[1], a[2], b[2], octave)
 
-    def _price_octave(
-        self, src: str, dsts: Sequence[str] | str, octave: int
-    ) -> tuple[float, float, float]:
+    def _representative(self, klass: tuple[bool, str, str, int]) -> tuple[str, str] | None:
+        """The pair of a symmetry class on the first host (and the second, across)."""
+        same_host, a, b, _octave = klass
+        src, dst = f"n0.gpu{a}", f"n{0 if same_host else 1}.gpu{b}"
+        topo = self.topology
+        if src in topo and dst in topo and (topo.host_of(src) == topo.host_of(dst)) == same_host:
+            return src, dst
+        return None
+
+    def _price_octave(self, src: str, dsts: Sequence[str] | str, octave: int) -> Octave:
         if octave == 0:
             return (0.0, 0.0, 0.0)
         low = 1 << (octave - 1)

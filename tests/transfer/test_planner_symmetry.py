@@ -44,3 +44,29 @@ def test_symmetry_off_after_a_link_changes() -> None:
 def test_topology_from_a_file_has_no_symmetry() -> None:
     topology = load_topology("preset:hgx-h100:2")
     assert not Planner(Topology.from_dict(topology.to_dict())).by_symmetry
+
+
+def test_prices_survive_a_reservation_released() -> None:
+    planner = Planner(load_topology("preset:hgx-h100:2"))
+    idle = planner.links.state
+    assert planner.links.as_built
+    first = planner.estimate_s("n0.gpu0", ["n1.gpu3"], 5 << 20)
+    built = planner.plans_computed
+    plan = planner.plan("n0.gpu1", "n1.gpu1", 1 << 20)
+    planner.reserve(plan)
+    assert planner.links.state != idle and not planner.links.as_built
+    planner.release(plan)
+    # The table is as it was: the same key, the memo kept, no plan rebuilt.
+    assert planner.links.state == idle and planner.links.as_built
+    built = planner.plans_computed
+    assert planner.estimate_s("n0.gpu0", ["n1.gpu3"], 5 << 20) == first
+    assert planner.plans_computed == built
+
+
+def test_a_learned_speed_is_a_new_state_even_when_set_back() -> None:
+    planner = Planner(load_topology("preset:hgx-h100:2"))
+    idle = planner.links.state
+    bandwidth = planner.links.bandwidth("n1.gpu0", "n1.pcie0")
+    planner.links.set_bandwidth("n1.gpu0", "n1.pcie0", bandwidth)
+    # Learned speeds are not compared link by link: any update is a new state.
+    assert planner.links.state != idle and not planner.links.as_built
