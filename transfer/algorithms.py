@@ -97,11 +97,43 @@ def best_chunks(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> int:
     return int(ks[int(np.argmin(total))])
 
 
+def chunks_per_tree(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> list[Hop]:
+    """Each tree (a root hop and the hops forwarding it) cut into its own best piece
+    count: trees at fixed rates do not wait on one another, so a one-hop path need not pay
+    the per-piece cost a deep one needs to pipeline."""
+    trees: dict[int, list[int]] = {}
+    root: dict[int, int] = {}
+    for index, hop in enumerate(hops):
+        parent = hop.after
+        root[index] = index if parent is None else root[parent]
+        trees.setdefault(root[index], []).append(index)
+    out = list(hops)
+    for members in trees.values():
+        position = {old: new for new, old in enumerate(members)}
+        local = [_renumbered(hops[i], position) for i in members]
+        chunks = best_chunks(table, local, max_chunks)
+        for i in members:
+            out[i] = replace(hops[i], chunks=max(1, min(chunks, hops[i].num_bytes or 1)))
+    return out
+
+
+def _renumbered(hop: Hop, position: dict[int, int]) -> Hop:
+    parent = hop.after
+    return replace(hop, after=None if parent is None else position[parent])
+
+
 # builders ------------------------------------------------------------------------------
 def direct(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:
     """The source sends the whole range to every destination at once."""
     router = _Router(table)
     return [router.hop(src, d, 0, num_bytes) for d in dsts]
+
+
+def straight(table: LinkTable, parts: Sequence[tuple[str, str, int, int]]) -> list[Hop]:
+    """Each part (sender, receiver, offset, length) in one hop, the paths spread over
+    parallel links."""
+    router = _Router(table)
+    return [router.hop(src, dst, offset, length) for src, dst, offset, length in parts]
 
 
 def chain(table: LinkTable, src: str, dsts: Sequence[str], num_bytes: int) -> list[Hop]:

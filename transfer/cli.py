@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from wasma.transfer.plan import even_spans
 from wasma.transfer.planner import ALGORITHMS, Planner
 from wasma.transfer.presets import load_topology
 from wasma.transfer.topology import TopologyError
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"restrict to these (comma-separated): {','.join(ALGORITHMS)}",
     )
     parser.add_argument(
+        "--pattern",
+        choices=("broadcast", "gather", "scatter"),
+        default="broadcast",
+        help="broadcast: every --dst gets all the bytes (every --src holds them); gather: "
+        "the --src devices hold consecutive equal parts, one --dst gets them all; scatter: "
+        "one --src, each --dst gets its own consecutive equal part",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help='print {"algorithm", "predicted_s", "bound_s", "ratio", "steps": [...]} as JSON',
@@ -81,7 +90,18 @@ def plan_main(argv: Sequence[str]) -> int:
         if not holders:
             raise _UsageError("--src names no device")
         planner = Planner(load_topology(args.topology))
-        plan = planner.plan_from(holders, dsts, num_bytes, algorithms=algorithms)
+        if args.pattern == "broadcast":
+            plan = planner.plan_from(holders, dsts, num_bytes, algorithms=algorithms)
+        elif algorithms is not None:
+            raise _UsageError(f"--algorithms applies to broadcasts, not a {args.pattern}")
+        elif args.pattern == "gather":
+            if len(dsts) != 1:
+                raise _UsageError("a gather has one --dst")
+            plan = planner.plan_gather(even_spans(holders, num_bytes), dsts[0], num_bytes)
+        else:
+            if len(holders) != 1:
+                raise _UsageError("a scatter has one --src")
+            plan = planner.plan_scatter(holders[0], even_spans(dsts, num_bytes), num_bytes)
     except (_UsageError, TopologyError, ValueError) as exc:
         print(f"wasma plan: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

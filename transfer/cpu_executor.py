@@ -232,11 +232,11 @@ class CpuExecutor(Executor):
         try:
             # Fill outside the timed region: the holders get the payload, everyone else
             # its complement, so a byte a plan fails to deliver cannot match by accident.
+            # (A gather's holders get only their parts.)
             for device in devices:
-                if device in plan.sources:
-                    pool.views[device][:n] = data
-                else:
-                    np.invert(data, out=pool.views[device][:n])
+                np.invert(data, out=pool.views[device][:n])
+                for lo, hi in plan.holdings(device):
+                    pool.views[device][lo:hi] = data[lo:hi]
             self._evict_caches()
             for sem in pool.sems[:needed]:
                 while sem.acquire(False):  # a run may leave releases nobody waited for
@@ -272,8 +272,11 @@ class CpuExecutor(Executor):
         except BaseException:
             self.close()  # workers may be mid-hop or dead: start clean next time
             raise
-        source = pool.views[plan.src][:n]
-        verified = all(np.array_equal(pool.views[d][:n], source) for d in plan.dsts)
+        verified = all(
+            np.array_equal(pool.views[d][lo:hi], data[lo:hi])
+            for d in plan.receivers
+            for lo, hi in plan.wants(d)
+        )
         return ExecutionResult(plan, self.name, max(hop_finish), hop_finish, verified)
 
 

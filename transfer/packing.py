@@ -52,15 +52,17 @@ class Packing:
     bound_Bps: float  # the max-flow rate of the worst destination
     rounds: int  # multiplicative-weight rounds it took
 
-    def hops(self, num_bytes: int) -> list[Hop]:
+    def hops(self, num_bytes: int, shares: Sequence[float] | None = None) -> list[Hop]:
         """The packing as plan hops: tree i carries a contiguous share of the bytes in
-        proportion to its rate (integer boundaries), each hop at its tree's rate."""
+        proportion to its rate, or to `shares[i]` (integer boundaries), each hop at its
+        tree's rate."""
         out: list[Hop] = []
-        total = sum(rate for _, rate in self.trees)
+        weights = list(shares) if shares is not None else [rate for _, rate in self.trees]
+        total = sum(weights)
         acc = 0.0
         lo = 0
-        for index, (tree, rate) in enumerate(self.trees):
-            acc += rate
+        for index, ((tree, rate), weight) in enumerate(zip(self.trees, weights, strict=True)):
+            acc += weight
             hi = num_bytes if index == len(self.trees) - 1 else int(num_bytes * acc / total)
             if hi <= lo:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +40,29 @@ class Hop:
         return list(zip(self.path, self.path[1:], strict=False))
 
 
+@dataclass(frozen=True)
+class Span:
+    """Bytes [offset_bytes, offset_bytes + num_bytes) on `device`: a part a gather's
+    holder has, or a part a scatter's destination wants."""
+
+    device: str
+    offset_bytes: int
+    num_bytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset_bytes + self.num_bytes
+
+
+def even_spans(devices: Sequence[str], num_bytes: int) -> tuple[Span, ...]:
+    """`num_bytes` cut into one consecutive part per device (integer boundaries)."""
+    n = len(devices)
+    return tuple(
+        Span(d, i * num_bytes // n, (i + 1) * num_bytes // n - i * num_bytes // n)
+        for i, d in enumerate(devices)
+    )
+
+
 def chunk_bounds(offset: int, length: int, chunks: int) -> list[tuple[int, int]]:
     """[start, end) of each piece; equal to a byte, so the model and executors agree."""
     return [
@@ -61,6 +85,32 @@ class TransferPlan:
     # The lower bound no plan beats: bytes over the max-flow (min-cut) rate to the worst
     # destination, plus the latency floor; None where it was not computed.
     bound_s: float | None = None
+    # A gather: the part each holder has (empty: every holder has all the bytes).
+    held: tuple[Span, ...] = ()
+    # A scatter: the part each destination wants (empty: every destination wants all).
+    wanted: tuple[Span, ...] = ()
+
+    @property
+    def pattern(self) -> str:
+        return "gather" if self.held else "scatter" if self.wanted else "broadcast"
+
+    def holdings(self, device: str) -> list[tuple[int, int]]:
+        """[start, end) ranges `device` has before the transfer."""
+        if self.held:
+            return [(s.offset_bytes, s.end) for s in self.held if s.device == device]
+        return [(0, self.bytes)] if device in self.sources else []
+
+    def wants(self, device: str) -> list[tuple[int, int]]:
+        """[start, end) ranges `device` must have after it."""
+        if self.wanted:
+            return [(s.offset_bytes, s.end) for s in self.wanted if s.device == device]
+        return [(0, self.bytes)] if device in self.dsts else []
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        """Every device that must end with bytes: the destinations (a scatter's parts
+        name them too)."""
+        return tuple(dict.fromkeys([*self.dsts, *(s.device for s in self.wanted)]))
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -108,8 +158,10 @@ class TransferPlan:
 
     def describe(self) -> str:
         rate = self.bytes / self.predicted_s / 1e9 if self.predicted_s > 0 else 0.0
+        pattern = "" if self.pattern == "broadcast" else f" ({self.pattern})"
         head = (
-            f"{self.algorithm}: {format_bytes(self.bytes)} from {', '.join(self.sources)} to "
+            f"{self.algorithm}{pattern}: {format_bytes(self.bytes)} from "
+            f"{', '.join(self.sources)} to "
             f"{', '.join(self.dsts)}; predicted {format_seconds(self.predicted_s)}"
             f" ({rate:.1f} GB/s per destination)"
         )
@@ -133,14 +185,23 @@ class TransferPlan:
             "dsts": list(self.dsts),
             "bytes": self.bytes,
             "chunks": self.chunks,
+            "pattern": self.pattern,
+            "held": [asdict(x) for x in self.held],
+            "wanted": [asdict(x) for x in self.wanted],
             "hops": [asdict(h) for h in self.hops],
         }
 
 
 def check_plan(plan: TransferPlan) -> None:
-    """Raise ValueError unless every hop sends bytes its sender holds and every destination
-    ends up with the whole range. Executors call this before moving anything."""
-    held: dict[str, list[tuple[int, int]]] = {s: [(0, plan.bytes)] for s in plan.sources}
+    """Raise ValueError unless every hop sends bytes its sender holds (from the start, or
+    from the hop that delivers them) and every destination ends up with what it wants.
+    Executors call this before moving anything."""
+    for span in (*plan.held, *plan.wanted):
+        if span.num_bytes < 0 or span.offset_bytes < 0 or span.end > plan.bytes:
+            raise ValueError(f"part [{span.offset_bytes}, {span.end}) of {span.device} invalid")
+    held: dict[str, list[tuple[int, int]]] = {}
+    for device in {*plan.sources, *(s.device for s in plan.held)}:
+        held[device] = plan.holdings(device)
     stages = [h.stage for h in plan.hops]
     if stages != sorted(stages):
         raise ValueError("hops must be listed in round order")
@@ -156,8 +217,8 @@ def check_plan(plan: TransferPlan) -> None:
         ):
             raise ValueError(f"hop {index}: path must run from {hop.src} to {hop.dst}")
         if hop.after is None:
-            if hop.src not in plan.sources:
-                raise ValueError(f"hop {index}: {hop.src} sends without receiving first")
+            if not any(a <= lo and hi <= b for a, b in plan.holdings(hop.src)):
+                raise ValueError(f"hop {index}: {hop.src} sends bytes it does not hold")
         else:
             if not 0 <= hop.after < index:
                 raise ValueError(f"hop {index}: 'after' must name an earlier hop")
@@ -170,11 +231,14 @@ def check_plan(plan: TransferPlan) -> None:
             if not (parent.offset_bytes <= lo and hi <= parent.offset_bytes + parent.num_bytes):
                 raise ValueError(f"hop {index} forwards bytes hop {hop.after} does not carry")
         held.setdefault(hop.dst, []).append((lo, hi))
-    for dst in plan.dsts:
-        covered = 0
-        for lo, hi in sorted(held.get(dst, [])):
-            if lo > covered:
-                break
-            covered = max(covered, hi)
-        if covered < plan.bytes:
-            raise ValueError(f"{dst} would get only bytes [0, {covered}) of {plan.bytes}")
+    for dst in plan.receivers:
+        for want_lo, want_hi in plan.wants(dst):
+            covered = want_lo
+            for lo, hi in sorted(held.get(dst, [])):
+                if lo > covered:
+                    break
+                covered = max(covered, hi)
+            if covered < want_hi:
+                raise ValueError(
+                    f"{dst} would get only bytes [{want_lo}, {covered}) of [{want_lo}, {want_hi})"
+                )

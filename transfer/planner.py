@@ -3,6 +3,7 @@ with link sharing, keeps the fastest, and learns link speeds from measured trans
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -10,8 +11,16 @@ from dataclasses import dataclass, replace
 
 from wasma.transfer import algorithms as alg
 from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.flows import (
+    Demand,
+    DemandFlow,
+    FlowSchedule,
+    gather_demands,
+    scatter_demands,
+    schedule_hops,
+)
 from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s
-from wasma.transfer.plan import Hop, TransferPlan
+from wasma.transfer.plan import Hop, Span, TransferPlan
 from wasma.transfer.topology import Topology, TopologyError
 
 ALGORITHMS = (
@@ -38,6 +47,9 @@ MEMO_STATES = 8
 Octave = tuple[float, float, float]
 # A preset's GPU names, whose host index the symmetry memo of `estimate_s` drops.
 _PRESET_GPU = re.compile(r"n(\d+)\.gpu(\d+)")
+# Re-weightings of a gather's or scatter's flow tried after the plain one (each is a few
+# max flows and one pricing).
+REWEIGHT_ROUNDS = 3
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
@@ -165,6 +177,134 @@ class Planner:
         self._plans[key] = best
         return best
 
+    def plan_scatter(self, src: str, wanted: Sequence[Span], num_bytes: int) -> TransferPlan:
+        """Send each destination its own part of `num_bytes` that `src` holds (parts may
+        not overlap: bytes two destinations want are a broadcast)."""
+        self._refresh()
+        key = ("scatter", src, tuple(wanted), num_bytes)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        self._check_request(src, [s.device for s in wanted], num_bytes)
+        spans = self._check_spans(wanted, num_bytes)
+        ordered = sorted(spans, key=lambda s: s.offset_bytes)
+        if any(a.end > b.offset_bytes for a, b in itertools.pairwise(ordered)):
+            raise ValueError("scatter parts overlap: send bytes several devices want by plan()")
+        targets = tuple(s for s in spans if s.device != src and s.num_bytes)
+        dsts = tuple(dict.fromkeys(s.device for s in targets))
+        base = TransferPlan("noop", src, dsts, num_bytes, 0.0, (), holders=(src,), wanted=targets)
+        plan = self._plan_parts(base, scatter_demands(src, targets))
+        self._plans[key] = plan
+        return plan
+
+    def plan_gather(self, held: Sequence[Span], dst: str, num_bytes: int) -> TransferPlan:
+        """Bring every byte of `num_bytes` to `dst` from the devices holding its parts
+        (a part held by several may come from any of them; `dst` may hold some)."""
+        self._refresh()
+        key = ("gather", dst, tuple(held), num_bytes)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        spans = self._check_spans(held, num_bytes)
+        if not spans:
+            raise ValueError("a gather needs at least one held part")
+        self._check_request(spans[0].device, [dst, *(s.device for s in spans)], num_bytes)
+        covered = 0
+        for span in sorted(spans, key=lambda s: s.offset_bytes):
+            if span.offset_bytes > covered:
+                break
+            covered = max(covered, span.end)
+        if covered < num_bytes:
+            raise ValueError(f"no device holds bytes [{covered}, ...) of {num_bytes}")
+        holders = tuple(dict.fromkeys(s.device for s in spans if s.device != dst)) or (dst,)
+        base = TransferPlan("noop", holders[0], (dst,), num_bytes, 0.0, (), holders=holders)
+        base = replace(base, held=spans)
+        plan = self._plan_parts(base, gather_demands(spans, dst, num_bytes))
+        self._plans[key] = plan
+        return plan
+
+    def _plan_parts(self, base: TransferPlan, demands: Sequence[Demand]) -> TransferPlan:
+        """The fastest of: the flow at the bound, the flow re-weighted so deep paths
+        finish with shallow ones, and each part sent straight; with the bound."""
+        if not demands:
+            return replace(base, bound_s=0.0)
+        network = self._flow_network()
+        flow = DemandFlow(network, demands)
+        schedule = flow.schedule()
+        if schedule is None:
+            raise TopologyError(f"no working path for every part to {', '.join(base.dsts)}")
+        self.plans_computed += 1
+        floors = {
+            (d.senders, d.dst): latency_floor_s(self.links, d.senders, [d.dst]) for d in demands
+        }
+        alone = max(
+            sum(d.num_bytes for d in group) / flow.alone_Bps(g)
+            + floors[group[0].senders, group[0].dst]
+            for g, group in enumerate(flow.groups)
+        )
+        bound = max(schedule.seconds + min(floors.values()), alone)
+        parts = [
+            (min(d.senders, key=lambda s: self._near(s, d.dst)), d.dst, d.offset_bytes, d.num_bytes)
+            for d in demands
+        ]
+        straight = alg.straight(self.links, parts)
+        plans = [replace(base, algorithm="direct", predicted_s=self.links.evaluate(straight))]
+        plans[0] = replace(plans[0], hops=tuple(straight), chunks=1)
+        weighted: DemandFlow | None = flow
+        current: FlowSchedule | None = schedule
+        for _ in range(REWEIGHT_ROUNDS + 1):
+            if weighted is None or current is None:
+                break
+            hops, owner = schedule_hops(weighted, current)
+            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+            hops = alg.chunks_per_tree(self.links, hops, cap)
+            finish = self.links.finish_times(hops)
+            plans.append(
+                replace(
+                    base,
+                    algorithm="flow_paths",
+                    predicted_s=max(finish),
+                    hops=tuple(hops),
+                    chunks=max(h.chunks for h in hops),
+                )
+            )
+            # A group's overhead is its finish past its fluid time (bytes over its rate):
+            # pipeline fill and message delays, more on deep paths. Asking each group for
+            # rate in proportion to 1 / (fluid + spare) lets the deep ones take more of a
+            # bottleneck they share with shallow ones, so all finish together.
+            ends = [0.0] * len(weighted.groups)
+            rates = [0.0] * len(weighted.groups)
+            for index, g in enumerate(owner):
+                ends[g] = max(ends[g], finish[index])
+            for g, _devices, rate in current.paths:
+                rates[g] += rate
+            sizes = [sum(d.num_bytes for d in group) for group in weighted.groups]
+            over = [max(0.0, e - b / r) for e, b, r in zip(ends, sizes, rates, strict=True)]
+            if max(over) - min(over) <= 1e-3 * max(finish):
+                break
+            fluid = schedule.seconds
+            weights = [
+                w * (fluid + max(over) - min(over)) / (fluid + max(over) - o)
+                for w, o in zip(weighted.weights, over, strict=True)
+            ]
+            weighted = DemandFlow(network, demands, weights)
+            current = weighted.schedule()
+        best = min(plans, key=lambda p: (p.predicted_s, len(p.hops)))
+        return replace(best, bound_s=bound)
+
+    def _near(self, src: str, dst: str) -> tuple[float, str]:
+        return (alg.distance_s(self.links, src, dst), src)
+
+    def _check_spans(self, spans: Sequence[Span], num_bytes: int) -> tuple[Span, ...]:
+        for span in spans:
+            self.topology.require(span.device, "gpu")
+            if span.num_bytes < 0 or span.offset_bytes < 0 or span.end > num_bytes:
+                raise ValueError(
+                    f"part [{span.offset_bytes}, {span.end}) of {span.device} is not within "
+                    f"[0, {num_bytes})"
+                )
+        return tuple(spans)
+
     def bound_s(self, holders: Sequence[str], dsts: Sequence[str], num_bytes: int) -> float:
         """No plan moves `num_bytes` from `holders` to every one of `dsts` sooner: the bytes
         over the smallest max-flow rate to a destination, plus the latency floor."""
@@ -242,23 +382,29 @@ class Planner:
         # for sizes where the per-piece cost outweighs the extra rate).
         for trees in {packing.trees, packing.trees[:1]}:
             shape = Packing(trees, sum(r for _, r in trees), packing.bound_Bps, packing.rounds)
-            hops = shape.hops(num_bytes)
-            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-            chunks = alg.best_chunks(self.links, hops, cap)
-            hops = alg.with_chunks(hops, chunks)
-            holder = hops[0].src
-            plans.append(
-                TransferPlan(
-                    "flow_trees",
-                    holder if holder in sources else sources[0],
-                    targets,
-                    num_bytes,
-                    self.links.evaluate(hops),
-                    tuple(hops),
-                    chunks,
-                    holders=sources,
+            shares: list[float] | None = None
+            for _ in range(REWEIGHT_ROUNDS + 1):
+                hops = shape.hops(num_bytes, shares)
+                cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+                chunks = alg.best_chunks(self.links, hops, cap)
+                hops = alg.with_chunks(hops, chunks)
+                finish = self.links.finish_times(hops)
+                holder = hops[0].src
+                plans.append(
+                    TransferPlan(
+                        "flow_trees",
+                        holder if holder in sources else sources[0],
+                        targets,
+                        num_bytes,
+                        max(finish),
+                        tuple(hops),
+                        chunks,
+                        holders=sources,
+                    )
                 )
-            )
+                shares = _balanced_shares(shape, hops, finish, num_bytes)
+                if shares is None or len(trees) == 1:
+                    break
         return plans
 
     def candidates(
@@ -469,3 +615,37 @@ class Planner:
                 f"known: {', '.join(ALGORITHMS)}"
             )
         return chosen
+
+
+def _balanced_shares(
+    packing: Packing, hops: Sequence[Hop], finish: Sequence[float], num_bytes: int
+) -> list[float] | None:
+    """Bytes per tree so that every tree finishes at once: a tree's overhead (its finish
+    past its bytes over its rate: fill and message delays, more for a deep tree) is paid
+    on fewer bytes, bytes_i = rate_i * (T - overhead_i), T making them sum to the whole.
+    None when the trees already finish together."""
+    ends: dict[int, float] = {}
+    sizes: dict[int, int] = {}
+    tree_of_root: dict[int, int] = {}
+    tree = -1
+    for index, hop in enumerate(hops):
+        if hop.after is None:
+            # Packing.hops lists each tree's hops together, its root hops first.
+            if index == 0 or hops[index - 1].offset_bytes != hop.offset_bytes:
+                tree += 1
+            tree_of_root[index] = tree
+        else:
+            tree_of_root[index] = tree_of_root[hop.after]
+        t = tree_of_root[index]
+        ends[t] = max(ends.get(t, 0.0), finish[index])
+        sizes[t] = hop.num_bytes
+    rates = [rate for _, rate in packing.trees]
+    if len(ends) != len(rates):
+        return None  # a tree too small to carry a byte: keep the rate split
+    over = [max(0.0, ends[t] - sizes[t] / rates[t]) for t in range(len(rates))]
+    if max(over) - min(over) <= 1e-3 * max(finish):
+        return None
+    total_rate = sum(rates)
+    target = (num_bytes + sum(r * o for r, o in zip(rates, over, strict=True))) / total_rate
+    shares = [max(0.0, r * (target - o)) for r, o in zip(rates, over, strict=True)]
+    return shares if sum(shares) > 0 else None

@@ -214,8 +214,8 @@ def _rank_main(
         )
         rank_of = {d: i for i, d in enumerate(devices)}
         buffer = torch.zeros(plan.bytes, dtype=torch.uint8, device=device)
-        if me in plan.sources:
-            buffer.copy_(torch.from_numpy(data))
+        for lo, hi in plan.holdings(me):
+            buffer[lo:hi].copy_(torch.from_numpy(data[lo:hi]))
         schedule = schedule_waves(plan.hops)
         mine: dict[int, list[tuple[str, PieceOp]]] = {}
         for index, hop in enumerate(plan.hops):
@@ -247,8 +247,10 @@ def _rank_main(
                 ):
                     finish[op.hop] = now
         verified = True
-        if me in plan.dsts:
-            verified = bool(torch.equal(buffer.cpu(), torch.from_numpy(data)))
+        for lo, hi in plan.wants(me):
+            verified = verified and bool(
+                torch.equal(buffer[lo:hi].cpu(), torch.from_numpy(data[lo:hi]))
+            )
         results.put({"rank": rank, "start": start, "finish": finish, "verified": verified})
         dist.barrier()
         dist.destroy_process_group()

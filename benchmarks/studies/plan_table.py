@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wasma.transfer import Planner, Topology, TopologyBuilder, build_preset
+from wasma.transfer import Planner, Topology, TopologyBuilder, TransferPlan, build_preset
+from wasma.transfer import algorithms as alg
+from wasma.transfer.plan import Span, even_spans
 from wasma.transfer.units import format_bytes, parse_size
 
 PRESETS = ("hgx-h100", "hgx-h200", "pcie-8")
@@ -71,9 +73,10 @@ def random_cluster(rng: random.Random) -> Topology:
     return builder.build()
 
 
-def random_sweep(seeds: int) -> dict[str, Any]:
+def random_sweep(seeds: int, parts: bool = False) -> dict[str, Any]:
     """The planner's pick over the bound on random clusters (`random_cluster`), one
-    source to a random number of the other GPUs, at 64 MiB and 1 GiB."""
+    source to a random number of the other GPUs, at 64 MiB and 1 GiB; with `parts`, a
+    scatter to them and a gather from them of uneven parts (cut at random)."""
     ratios: list[float] = []
     worst: list[tuple[float, int, int]] = []
     for seed in range(seeds):
@@ -85,10 +88,20 @@ def random_sweep(seeds: int) -> dict[str, Any]:
             continue
         dsts = gpus[1 : 1 + rng.randint(1, len(gpus) - 1)]
         for size in (64 << 20, 1 << 30):
-            ratio = Planner(topology).plan(gpus[0], dsts, size).ratio
-            assert ratio is not None
-            ratios.append(ratio)
-            worst.append((ratio, seed, size))
+            plans = [Planner(topology).plan(gpus[0], dsts, size)]
+            if parts:
+                cuts = sorted(rng.sample(range(1, size), len(dsts) - 1))
+                edges = [0, *cuts, size]
+                spans = [Span(d, a, b - a) for d, a, b in zip(dsts, edges, edges[1:], strict=False)]
+                plans = [
+                    Planner(topology).plan_scatter(gpus[0], spans, size),
+                    Planner(topology).plan_gather(spans, gpus[0], size),
+                ]
+            for plan in plans:
+                ratio = plan.ratio
+                assert ratio is not None
+                ratios.append(ratio)
+                worst.append((ratio, seed, size))
     ratios.sort()
     return {
         "cases": len(ratios),
@@ -139,6 +152,86 @@ def row(preset: str, nodes: int, label: str, dsts: list[str], size: int) -> dict
     }
 
 
+def parts_row(
+    preset: str, nodes: int, label: str, peers: list[str], size: int
+) -> list[dict[str, Any]]:
+    """A scatter from SRC to `peers` and a gather from them to SRC, equal parts: the
+    plan, its bound, each part sent straight (what per-peer send/recv does), planning time."""
+    topology = build_preset(preset, nodes)
+    spans = even_spans(peers, size)
+    rows = []
+    for pattern in ("scatter", "gather"):
+
+        def make(planner: Planner, pattern: str = pattern) -> TransferPlan:
+            if pattern == "scatter":
+                return planner.plan_scatter(SRC, spans, size)
+            return planner.plan_gather(spans, SRC, size)
+
+        start = time.perf_counter()
+        planner = Planner(topology)
+        plan = make(planner)
+        cold_s = time.perf_counter() - start
+        repeats = 2000
+        start = time.perf_counter()
+        for _ in range(repeats):
+            make(planner)
+        cached_s = (time.perf_counter() - start) / repeats
+        straight = alg.straight(
+            planner.links,
+            [
+                (SRC, s.device, s.offset_bytes, s.num_bytes)
+                if pattern == "scatter"
+                else (s.device, SRC, s.offset_bytes, s.num_bytes)
+                for s in spans
+            ],
+        )
+        straight_s = planner.predict_s(straight)
+        assert plan.bound_s is not None and plan.ratio is not None
+        rows.append(
+            {
+                "preset": preset,
+                "nodes": nodes,
+                "peers": label,
+                "pattern": pattern,
+                "bytes": size,
+                "algorithm": plan.algorithm,
+                "hops": len(plan.hops),
+                "predicted_s": plan.predicted_s,
+                "bound_s": plan.bound_s,
+                "ratio": plan.ratio,
+                "straight_s": straight_s,
+                "vs_straight": plan.predicted_s / straight_s,
+                "cold_ms": cold_s * 1e3,
+                "cached_us": cached_s * 1e6,
+            }
+        )
+    return rows
+
+
+def parts_main(presets: list[str], sizes: list[int]) -> list[dict[str, Any]]:
+    print(
+        "| preset | nodes | peers | pattern | size | plan | hops | predicted | bound | "
+        "predicted / bound | each part straight | predicted / that | plan cold | plan cached |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for preset in presets:
+        for nodes in NODES:
+            for label, peers in destination_sets(nodes)[1:]:
+                for size in sizes:
+                    for r in parts_row(preset, nodes, label, peers, size):
+                        rows.append(r)
+                        print(
+                            f"| {preset} | {nodes} | {label} | {r['pattern']} "
+                            f"| {format_bytes(size)} | {r['algorithm']} | {r['hops']} "
+                            f"| {_t(r['predicted_s'])} | {_t(r['bound_s'])} | {r['ratio']:.3f} "
+                            f"| {_t(r['straight_s'])} | {r['vs_straight']:.3f} "
+                            f"| {r['cold_ms']:.1f} ms | {r['cached_us']:.1f} us |",
+                            flush=True,
+                        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1GiB,64MiB,4KiB")
@@ -147,12 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--random", type=int, default=0, help="instead: sweep this many random clusters"
     )
+    parser.add_argument(
+        "--parts", action="store_true", help="gathers and scatters instead of broadcasts"
+    )
     args = parser.parse_args(argv)
     if args.random:
-        print(json.dumps(random_sweep(args.random)))
+        print(json.dumps(random_sweep(args.random, args.parts)))
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if args.parts:
+        rows = parts_main(args.presets.split(","), sizes)
+        _summary(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     print(
         "| preset | nodes | destinations | size | plan | hops | predicted | bound | "
         "predicted / bound | NCCL-style best | predicted / that | plan cold | plan cached |"
@@ -172,19 +274,24 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {r['cached_us']:.1f} us |",
                         flush=True,
                     )
+    _summary(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _summary(rows: list[dict[str, Any]]) -> None:
     big = [r for r in rows if r["bytes"] >= 64 << 20]
     worst = max(big, key=lambda r: r["ratio"], default=None)
     if worst is not None:
         over = [r for r in big if r["ratio"] > 1.15]
+        where = worst.get("dsts") or f"{worst['pattern']} {worst['peers']}"
         print(
             f"\n>= 64 MiB: worst predicted / bound {worst['ratio']:.3f} "
-            f"({worst['preset']} x{worst['nodes']}, {worst['dsts']}, "
+            f"({worst['preset']} x{worst['nodes']}, {where}, "
             f"{format_bytes(worst['bytes'])}); {len(over)} of {len(big)} cases above 1.15"
         )
     print(f"cached planning: max {max(r['cached_us'] for r in rows):.1f} us per plan")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
 
 
 def _t(seconds: float) -> str:
