@@ -386,8 +386,8 @@ class Planner:
             for _ in range(REWEIGHT_ROUNDS + 1):
                 hops = shape.hops(num_bytes, shares)
                 cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-                chunks = alg.best_chunks(self.links, hops, cap)
-                hops = alg.with_chunks(hops, chunks)
+                hops = alg.chunks_per_tree(self.links, hops, cap)
+                chunks = max(h.chunks for h in hops)
                 finish = self.links.finish_times(hops)
                 holder = hops[0].src
                 plans.append(

@@ -49,7 +49,9 @@ def _at_capacity(runs: list[dict[str, Any]], trace: str, policy: str, scale: flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mooncake", required=True, help="a Mooncake trace (JSONL)")
-    ap.add_argument("--requests", type=int, default=1000, help="its first N requests")
+    ap.add_argument(
+        "--requests", type=int, default=1000, help="its first N requests (0: all of them)"
+    )
     ap.add_argument("--apps", default="mapreduce,debate")
     ap.add_argument("--app-workflows", type=int, default=150)
     ap.add_argument("--engines", default="8", help="comma-separated engine counts")
@@ -63,7 +65,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     profile = load_profile(args.profile)
     traces: list[str] = []
-    reqs = read_mooncake(args.mooncake)[: args.requests]
+    reqs = read_mooncake(args.mooncake)
+    reqs = reqs[: args.requests] if args.requests else reqs
     wfs, _dropped = to_workflows(reqs, profile)
     path = out / f"mooncake_{args.requests}.jsonl"
     write_trace(path, wfs)
