@@ -225,3 +225,40 @@ def test_bound_and_ratio_in_json_and_text(capsys: pytest.CaptureFixture[str]) ->
         capsys,
     )
     assert code == 0 and set(json.loads(out)["holders"]) <= {"n0.gpu0", "n1.gpu0"}
+
+
+def test_gather_and_scatter_patterns(capsys: pytest.CaptureFixture[str]) -> None:
+    rest = ",".join(f"n1.gpu{g}" for g in range(8))
+    base = ["--topology", "preset:hgx-h200:2", "--bytes", "64MiB", "--json"]
+    code, out, err = run([*base, "--src", "n0.gpu0", "--dst", rest, "--pattern", "scatter"], capsys)
+    assert code == 0, err
+    scatter = json.loads(out)
+    assert scatter["pattern"] == "scatter" and scatter["ratio"] <= 1.15
+    assert [w["device"] for w in scatter["wanted"]] == rest.split(",")
+    assert sum(w["num_bytes"] for w in scatter["wanted"]) == 64 << 20
+    code, out, err = run([*base, "--src", rest, "--dst", "n0.gpu0", "--pattern", "gather"], capsys)
+    assert code == 0, err
+    gather = json.loads(out)
+    assert gather["pattern"] == "gather" and gather["held"] and gather["ratio"] <= 1.15
+    text = ["--topology", "preset:hgx-h200:1", "--src", "n0.gpu0", "--bytes", "1MiB"]
+    code, out, _ = run([*text, "--dst", "n0.gpu1,n0.gpu2", "--pattern", "scatter"], capsys)
+    assert code == 0 and "(scatter)" in out.splitlines()[0] and "ratio" in out
+    for argv, message in [
+        ([*text, "--dst", "n0.gpu1,n0.gpu2", "--pattern", "gather"], "one --dst"),
+        (
+            [
+                *text[:2],
+                "--src",
+                "n0.gpu0,n0.gpu3",
+                *text[4:],
+                "--dst",
+                "n0.gpu1",
+                "--pattern",
+                "scatter",
+            ],
+            "one --src",
+        ),
+        ([*text, "--dst", "n0.gpu1", "--pattern", "scatter", "--algorithms", "chain"], "broadcast"),
+    ]:
+        code, out, err = run(argv, capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
