@@ -29,6 +29,7 @@ from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
+from ray.serve.llm.deployment import LLMServer as PublicLLMServer
 
 from wasma.ray_serve.ingress import WASMA_ENDPOINTS, WasmaIngress
 from wasma.ray_serve.router import WorkflowRouter
@@ -102,7 +103,8 @@ def build_openai_app(
         )
         cfg.deployment_config = dep
         server = cfg.server_cls
-        if server is None or server is LLMServer:
+        if server is None or server in (LLMServer, PublicLLMServer):
+            # Ray's own server: wasma's is it, plus the routes Ray's lacks.
             cfg.server_cls = WasmaLLMServer
         elif not (isinstance(server, type) and issubclass(server, WasmaLLMServer)):
             raise ValueError(

@@ -249,45 +249,13 @@ class SchedulingState:
         data = {**body, "model": self.frontend.model_name}
         try:
             if kind == "responses":
-                return self._loop.run_until_complete(self._render_responses(data, previous))
+                return self._loop.run_until_complete(
+                    render_responses(self.frontend, data, previous)
+                )
             rendered: Rendered = self._loop.run_until_complete(render(self.frontend, kind, data))
         except ApiAnswer:
             return None
         return Prompt(rendered.token_ids, rendered.max_tokens)
-
-    async def _render_responses(
-        self, data: dict[str, Any], previous: StoredResponse | None
-    ) -> Prompt | None:
-        """As vLLM's `OpenAIServingResponses` renders a request: its `instructions` and
-        `input` after the previous response's messages and output, where this state
-        saw that response complete (else the new input alone: the replica still has
-        the rest)."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.renderers.inputs.preprocess import extract_prompt_components
-
-        request = parse_request("responses", data)
-        if request.previous_response_id is not None:
-            request = request.model_copy(update={"previous_response_id": None})
-        known = previous is not None and previous.output is not None
-        online = self.frontend.render.online_renderer
-        result = await online.render_responses(
-            request,
-            previous_messages=previous.messages if known and previous else None,
-            previous_response_outputs=previous.output if known and previous else None,
-            tool_server=getattr(self.frontend.render, "tool_server", None),
-            skip_mm_cache=True,
-        )
-        if isinstance(result, ErrorResponse):
-            return None
-        ids = list(
-            extract_prompt_components(self.frontend.model_config, result.engine_input).token_ids
-            or ()
-        )
-        if not ids:
-            return None
-        room = max(1, self.frontend.max_model_len - len(ids))
-        max_tokens = min(request.max_output_tokens or room, room)
-        return Prompt(ids, max_tokens, list(result.messages))
 
     def responded(self, request_id: str, response: Mapping[str, Any]) -> None:
         """A Responses answer (vLLM's response object) for request `request_id` is
@@ -363,6 +331,41 @@ class SchedulingState:
         """Outstanding requests per replica, as the state counts them (for tests and
         dashboards)."""
         return {load.name: load.outstanding for load in self.ctx.state.loads}
+
+
+async def render_responses(
+    frontend: Frontend, data: dict[str, Any], previous: StoredResponse | None
+) -> Prompt | None:
+    """As vLLM's `OpenAIServingResponses` renders a request: its `instructions` and
+    `input` after the previous response's messages and output, where this state
+    saw that response complete (else the new input alone: the replica still has
+    the rest). A module function: a coroutine method would make Ray run the state's
+    actor on an event loop, where its synchronous renders cannot run."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    request = parse_request("responses", data)
+    if request.previous_response_id is not None:
+        request = request.model_copy(update={"previous_response_id": None})
+    known = previous is not None and previous.output is not None
+    online = frontend.render.online_renderer
+    result = await online.render_responses(
+        request,
+        previous_messages=previous.messages if known and previous else None,
+        previous_response_outputs=previous.output if known and previous else None,
+        tool_server=getattr(frontend.render, "tool_server", None),
+        skip_mm_cache=True,
+    )
+    if isinstance(result, ErrorResponse):
+        return None
+    ids = list(
+        extract_prompt_components(frontend.model_config, result.engine_input).token_ids or ()
+    )
+    if not ids:
+        return None
+    room = max(1, frontend.max_model_len - len(ids))
+    max_tokens = min(request.max_output_tokens or room, room)
+    return Prompt(ids, max_tokens, list(result.messages))
 
 
 __all__ = [
