@@ -288,6 +288,7 @@ def test_messages_through_the_anthropic_sdk(serve_url: str) -> None:
             model="tiny",
             max_tokens=100_000,  # over the model's 2048: vLLM refuses it in the replica
             messages=[{"role": "user", "content": "hi"}],
+            timeout=60,  # else the SDK itself refuses a long non-streaming request
         )
     assert err.value.status_code == 400
     assert isinstance(err.value.body, dict) and err.value.body["type"] == "error"
