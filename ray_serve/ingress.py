@@ -48,6 +48,8 @@ RETRIES = 2
 WASMA_ENDPOINTS: dict[str, Callable[[FastAPI], Callable[..., Any]]] = {
     **DEFAULT_ENDPOINTS,
     "responses": lambda app: app.post("/v1/responses"),
+    "retrieve_responses": lambda app: app.get("/v1/responses/{response_id}"),
+    "cancel_responses": lambda app: app.post("/v1/responses/{response_id}/cancel"),
     "anthropic_messages": lambda app: app.post("/v1/messages"),
     "count_tokens": lambda app: app.post("/v1/messages/count_tokens"),
 }
@@ -136,6 +138,41 @@ class WasmaIngress(OpenAiIngress):
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses (vLLM's `OpenAIServingResponses` in the replica)."""
         return await self._wasma_call(request, "responses", "responses")
+
+    async def retrieve_responses(
+        self,
+        response_id: str,
+        request: Request,
+        starting_after: int | None = None,
+        stream: bool | None = False,
+    ) -> Response:
+        """GET /v1/responses/{response_id}, from the replica that stored it."""
+        body = {"response_id": response_id, "starting_after": starting_after, "stream": stream}
+        return await self._store_call(request, "retrieve_responses", body)
+
+    async def cancel_responses(self, response_id: str, request: Request) -> Response:
+        """POST /v1/responses/{response_id}/cancel, on the replica that stored it."""
+        return await self._store_call(request, "cancel_responses", {"response_id": response_id})
+
+    async def _store_call(
+        self, request: Request, call_method: str, body: dict[str, Any]
+    ) -> Response:
+        """A call about a stored response; `WorkflowRouter` sends it to the replica whose
+        vLLM store holds it. The path names no model: the one whose state saw the
+        response (the first model's replicas answer vLLM's 404 for an unknown id)."""
+        model_id = next(iter(self._model_cards))
+        for model in self._model_cards:
+            state = self._state(model)
+            if state is not None and await state.holder_of.remote(body["response_id"]):
+                model_id = model
+                break
+        handle = self._get_configured_serve_handle(model_id)
+        raw = RawRequestInfo.from_starlette_request(request)
+        async with router_request_timeout(DEFAULT_LLM_ROUTER_HTTP_TIMEOUT):
+            first, rest = await self._first_answer(handle, call_method, body, raw)
+        if isinstance(first, Whole):
+            return Response(first.body, first.status, media_type="application/json")
+        return StreamingResponse(_flatten(first, rest), media_type="text/event-stream")
 
     async def anthropic_messages(self, request: Request) -> Response:
         """POST /v1/messages (vLLM's `AnthropicServingMessages` in the replica)."""

@@ -51,6 +51,9 @@ CALL_KINDS = {
     "responses": "responses",
     "anthropic_messages": "messages",
 }
+# Calls about a stored response (`{"response_id": ...}`): only the replica whose vLLM
+# store holds it can answer.
+STORE_CALLS = frozenset({"retrieve_responses", "cancel_responses"})
 # The body field that holds the prompt, by kind (no kind: messages or prompt).
 PROMPT_FIELDS = {
     "chat": ("messages",),
@@ -131,6 +134,8 @@ class WorkflowRouter(RequestRouter):
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         meta = pending_request.metadata
+        if meta.call_method in STORE_CALLS:
+            return await self._holder_of(candidate_replicas, pending_request)
         kind = CALL_KINDS.get(meta.call_method)
         parts = request_parts(pending_request, kind) if kind is not None else None
         if parts is None:
@@ -149,6 +154,19 @@ class WorkflowRouter(RequestRouter):
         if replica is None:
             return [candidate_replicas]
         return [[replica]]
+
+    async def _holder_of(
+        self, candidates: list[RunningReplica], pending: PendingRequest
+    ) -> list[list[RunningReplica]]:
+        """The replica that answered the response a store call names (any replica when
+        none is known: it answers vLLM's 404)."""
+        body = pending.args[0] if pending.args else None
+        response_id = body.get("response_id") if isinstance(body, Mapping) else None
+        if not isinstance(response_id, str):
+            return [candidates]
+        holder = await self._state.holder_of.remote(response_id)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidates}
+        return [[by_id[holder]]] if holder in by_id else [candidates]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._state.completed.remote(internal_request_id)

@@ -291,6 +291,12 @@ class SchedulingState:
             del self._last_seen[wkey]
             self.dispatch.close_live(wkey, last)
 
+    def holder_of(self, response_id: str) -> str | None:
+        """The replica whose vLLM store holds response `response_id`, if this state saw
+        it answered."""
+        stored = self._responses.get(response_id)
+        return None if stored is None else stored.replica
+
     def placement_of(self, request_id: str) -> tuple[str, str] | None:
         """(replica id, placement kind) of a request this state placed."""
         d = self._decisions.get(request_id)

@@ -58,7 +58,8 @@ def _exception(exc: Exception, anthropic: bool) -> Whole:
 
 
 class WasmaLLMServer(LLMServer):
-    """`LLMServer` plus `responses`, `anthropic_messages` and `count_tokens`."""
+    """`LLMServer` plus `responses` (and `retrieve_responses`, `cancel_responses` on
+    this replica's store), `anthropic_messages` and `count_tokens`."""
 
     def _serving(self, name: str) -> Any:
         """The replica's vLLM serving object `name` (None where the engine built none:
@@ -106,6 +107,57 @@ class WasmaLLMServer(LLMServer):
                 stream = _convert_stream_to_sse_events(result)
         async for item in self._whole_or_stream(first, stream):
             yield item
+
+    async def retrieve_responses(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """GET /v1/responses/{response_id} (`body`: response_id, starting_after, stream),
+        answered from this replica's vLLM response store."""
+        from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
+        from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        first: Whole | None = None
+        stream: AsyncIterator[str] | None = None
+        handler = self._serving("openai_serving_responses")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Responses API")
+            result = await handler.retrieve_responses(
+                str(body["response_id"]),
+                starting_after=body.get("starting_after"),
+                stream=bool(body.get("stream")),
+            )
+        except Exception as exc:
+            first = _exception(exc, False)
+        else:
+            if isinstance(result, ErrorResponse):
+                first = _error(result, False)
+            elif isinstance(result, ResponsesResponse):
+                first = _json(result.model_dump(mode="json", by_alias=True))
+            else:
+                stream = _convert_stream_to_sse_events(result)
+        async for item in self._whole_or_stream(first, stream):
+            yield item
+
+    async def cancel_responses(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Whole, None]:
+        """POST /v1/responses/{response_id}/cancel, on this replica's vLLM store."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        handler = self._serving("openai_serving_responses")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Responses API")
+            result = await handler.cancel_responses(str(body["response_id"]))
+        except Exception as exc:
+            yield _exception(exc, False)
+            return
+        if isinstance(result, ErrorResponse):
+            yield _error(result, False)
+        else:
+            yield _json(result.model_dump(mode="json", by_alias=True))
 
     async def anthropic_messages(
         self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None

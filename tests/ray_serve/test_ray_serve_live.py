@@ -210,6 +210,16 @@ def test_responses_answer_as_vllm_renders_them(serve_url: str) -> None:
     assert follow.headers["x-wasma-placement"] == "reuse"
     assert second.usage is not None
     assert second.usage.input_tokens > opening.usage.input_tokens + opening.usage.output_tokens
+    # Retrieve and cancel reach the replica whose store holds the response (elsewhere
+    # vLLM answers 404), every time.
+    for _ in range(4):
+        got = oai.responses.retrieve(opening.id)
+        assert (got.id, got.output_text) == (opening.id, opening.output_text)
+        cancel = httpx.post(f"{serve_url}/v1/responses/{opening.id}/cancel", timeout=60)
+        assert cancel.status_code == 400, cancel.text
+        assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+    missing = httpx.get(f"{serve_url}/v1/responses/resp_missing", timeout=60)
+    assert missing.status_code == 404, missing.text
 
 
 def test_responses_stream_and_errors(serve_url: str) -> None:
@@ -312,7 +322,15 @@ def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> No
     first = chat(serve_url, base, {"x-wasma-workflow-id": wid, "x-wasma-node-id": "a"})
     victim = first.headers["x-wasma-engine"]
     long_tokens = 1200
-    with ThreadPoolExecutor(1) as pool:
+    # A Responses child too: the routes Ray's ingress lacks are retried the same way.
+    responses_body = {
+        "model": "tiny",
+        "input": base + " and also",
+        "max_output_tokens": long_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with ThreadPoolExecutor(2) as pool:
         child = pool.submit(
             chat,
             serve_url,
@@ -320,10 +338,21 @@ def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> No
             {"x-wasma-workflow-id": wid, "x-wasma-node-id": "b", "x-wasma-parents": "a"},
             long_tokens,
         )
-        time.sleep(1.5)  # the child is decoding on the parent's replica
-        assert not child.done()
+        response_child = pool.submit(
+            httpx.post,
+            f"{serve_url}/v1/responses",
+            json=responses_body,
+            headers={"x-wasma-workflow-id": wid, "x-wasma-node-id": "c", "x-wasma-parents": "a"},
+            timeout=300,
+        )
+        time.sleep(1.5)  # the children are decoding on the parent's replica
+        assert not child.done() and not response_child.done()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         r = child.result()
+        rr = response_child.result()
     assert r.status_code == 200, r.text
     assert r.headers["x-wasma-engine"] != victim
     assert r.json()["usage"]["completion_tokens"] == long_tokens  # the whole answer
+    assert rr.status_code == 200, rr.text
+    assert rr.headers["x-wasma-engine"] != victim
+    assert rr.json()["usage"]["output_tokens"] == long_tokens

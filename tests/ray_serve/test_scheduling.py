@@ -285,6 +285,8 @@ def test_a_previous_response_id_is_its_parent_and_pins_its_replica() -> None:
     assert st.place(REPLICAS, "q2", "i2", {}, follow, "responses") == first
     d = st._decisions["q2"]
     assert (d.workflow_id, d.node_id) == ("resp-q1", "q2")
+    assert st.holder_of("resp_1") == first  # retrieve and cancel go there too
+    assert st.holder_of("resp_unknown") is None
     assert st.ctx.workflows.get("resp-q1") is not None
     # Rendered as vLLM renders it from its store: the first prompt's messages, its
     # output, the new input; the first's instructions do not carry over (vLLM's
