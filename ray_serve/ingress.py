@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request, Response
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.llm._internal.common.utils.lora_utils import get_base_model_id
 from ray.llm._internal.serve.constants import DEFAULT_LLM_ROUTER_HTTP_TIMEOUT
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from ray.llm._internal.serve.core.ingress.ingress import (
@@ -78,6 +79,7 @@ class WasmaIngress(OpenAiIngress):
 
     def _state(self, model_id: str) -> Any:
         """The model's scheduling actor (made by its router on the first request)."""
+        model_id = get_base_model_id(model_id)  # a LoRA adapter's: its base model's
         handle = self._states.get(model_id)
         if handle is None:
             name = self._state_names.get(model_id)
@@ -224,9 +226,11 @@ class WasmaIngress(OpenAiIngress):
     async def _model_for(self, model: Any, anthropic: bool) -> str:
         """The deployment a body's `model` names. With one model served, any name goes
         to it: its vLLM answers an unknown name with its own 404, as `vllm serve` does."""
+        if isinstance(model, str) and get_base_model_id(model) in self._model_cards:
+            return model  # a LoRA adapter's id too: Serve multiplexes it to its replica
         if len(self._model_cards) == 1:
             (only,) = self._model_cards
-            return str(model) if model in self._model_cards else only
+            return only
         if not isinstance(model, str) or model not in self._model_cards:
             raise error_answer(
                 f"The model `{model}` does not exist.", 404, "NotFoundError", anthropic=anthropic

@@ -240,6 +240,19 @@ def test_responses_stream_and_errors(serve_url: str) -> None:
                 done = event.response
     assert done is not None
     assert "".join(deltas) == whole.output_text == done.output_text
+    # vLLM's SSE framing (`event:` then `data:`), and wasma's headers on a stream.
+    body = {"model": "tiny", "input": text, "max_output_tokens": 6, "temperature": 0}
+    with httpx.stream(
+        "POST", f"{serve_url}/v1/responses", json={**body, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-wasma-engine"]
+        assert r.headers["x-wasma-placement"] in {"reuse", "transfer", "recompute"}
+        raw = r.read().decode()
+    frames = [f for f in raw.split("\n\n") if f]
+    assert frames[0].startswith("event: response.created\ndata: {")
+    assert frames[-1].startswith("event: response.completed\ndata: {")
     # vLLM's own answers from the replica, in vLLM's shape.
     gone = httpx.post(
         f"{serve_url}/v1/responses",
