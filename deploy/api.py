@@ -205,6 +205,10 @@ def _protocol(kind: str) -> Any:
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
         return ResponsesRequest
+    if kind == "count_tokens":
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+        return AnthropicCountTokensRequest
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
     return AnthropicMessagesRequest

@@ -5,9 +5,13 @@ A Ray Serve LLM user switches by changing one import:
     from wasma.ray_serve import build_openai_app   # was: from ray.serve.llm import ...
     serve.run(build_openai_app({"llm_configs": [llm_config]}))
 
-Every model's `LLMServer` deployment gets `WorkflowRouter` (its own scheduling actor,
-reading the model's tokenizer, block size and the policy), and the ingress becomes
-`WasmaIngress`. Everything else is Ray's builder, unchanged.
+Every model's server becomes `WasmaLLMServer` (Ray's `LLMServer` that also answers the
+Responses and Messages APIs) with `WorkflowRouter` (its own scheduling actor, reading the
+model's tokenizer, block size and the policy), and the ingress becomes `WasmaIngress`
+with Ray's routes plus `/v1/responses`, `/v1/messages` and `/v1/messages/count_tokens`.
+The deployments are built by Ray's own builders (`build_llm_deployment`,
+`make_fastapi_ingress`), as Ray's `build_openai_app` builds them; only the ingress's route
+map is wasma's, which Ray's `build_openai_app` takes no argument for.
 """
 
 from __future__ import annotations
@@ -15,15 +19,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ray import serve
+from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
+from ray.llm._internal.serve.constants import RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING
+from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 from ray.llm._internal.serve.core.ingress.builder import LLMServingArgs
-from ray.llm._internal.serve.core.ingress.builder import (
-    build_openai_app as ray_build_openai_app,
-)
+from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
+from ray.serve.llm.deployment import LLMServer as PublicLLMServer
 
-from wasma.ray_serve.ingress import WasmaIngress
+from wasma.ray_serve.ingress import WASMA_ENDPOINTS, WasmaIngress
 from wasma.ray_serve.router import WorkflowRouter
+from wasma.ray_serve.server import WasmaLLMServer
 from wasma.scheduler.registry import default_registry
 
 # The engine flags that change how vLLM renders a prompt: the scheduling state renders
@@ -70,6 +80,9 @@ def build_openai_app(
     if policy not in default_registry().names():
         known = ", ".join(default_registry().names())
         raise ValueError(f"unknown policy {policy!r}; choose from: {known}")
+    if RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING:
+        # Ray's direct streaming makes the server its own ingress: no WasmaIngress.
+        raise ValueError("wasma's ingress needs RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING unset")
     names: dict[str, str] = {}
     configs: list[Any] = list(args.llm_configs)  # validated: LLMConfig objects
     for cfg in configs:
@@ -89,11 +102,35 @@ def build_openai_app(
             request_router_kwargs=kwargs,
         )
         cfg.deployment_config = dep
+        server = cfg.server_cls
+        if server is None or server in (LLMServer, PublicLLMServer):
+            # Ray's own server: wasma's is it, plus the routes Ray's lacks.
+            cfg.server_cls = WasmaLLMServer
+        elif not (isinstance(server, type) and issubclass(server, WasmaLLMServer)):
+            raise ValueError(
+                f"server_cls {server!r}: wasma's Responses and Messages routes need "
+                "WasmaLLMServer or a subclass of it"
+            )
         names[cfg.model_id] = state_name(cfg.model_id)
     ingress: Any = args.ingress_cls_config  # validated: an IngressClsConfig
-    ingress.ingress_cls = WasmaIngress
-    ingress.ingress_extra_kwargs = {
-        **(ingress.ingress_extra_kwargs or {}),
-        "wasma_state_names": names,
+    if ingress.ingress_cls is not WasmaIngress and not issubclass(
+        ingress.ingress_cls, WasmaIngress
+    ):
+        ingress.ingress_cls = WasmaIngress
+    extra = {**(ingress.ingress_extra_kwargs or {}), "wasma_state_names": names}
+    # What Ray's `build_openai_app` does after validating, with wasma's route map.
+    deployments = {c.model_id: build_llm_deployment(c) for c in configs}
+    cards = {c.model_id: to_model_metadata(c.model_id, c) for c in configs}
+    lora_paths = {
+        c.model_id: c.lora_config.dynamic_lora_loading_path
+        for c in configs
+        if c.lora_config is not None
     }
-    return ray_build_openai_app(args)  # type: ignore[arg-type]  # it validates its input
+    options = maybe_apply_llm_deployment_config_defaults(
+        ingress.ingress_cls.get_deployment_options(configs), args.ingress_deployment_config
+    )
+    cls = make_fastapi_ingress(ingress.ingress_cls, endpoint_map=WASMA_ENDPOINTS)
+    deployment: Any = serve.deployment(cls, **options)
+    return deployment.bind(
+        llm_deployments=deployments, model_cards=cards, lora_paths=lora_paths, **extra
+    )

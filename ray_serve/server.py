@@ -1,0 +1,217 @@
+"""`WasmaLLMServer`: Ray Serve LLM's `LLMServer`, answering the Responses and Anthropic
+Messages APIs too.
+
+Ray 2.60's `LLMServer` answers chat, completions, embeddings, score, tokenize and
+detokenize. vLLM's own serving classes for the rest are already built inside each
+replica: Ray's engine starts vLLM's front end with vLLM's `init_app_state`, which makes
+`OpenAIServingResponses` and `AnthropicServingMessages` over the replica's engine client,
+with the same model registry and renderer as its chat class. This server hands requests
+to those objects and answers as vLLM's routes do (`vllm/entrypoints/openai/responses/
+api_router.py`, `vllm/entrypoints/anthropic/api_router.py`): a whole answer's JSON and
+status, or a stream of the SSE events vLLM sends, in batches as `LLMServer` streams chat.
+
+Each method takes the request body as the client sent it (a JSON object; the ingress has
+already checked it against vLLM's protocol class) and the raw request's headers, and is
+an async generator: first item `Whole` (an answer or an error, never followed by more),
+or lists of SSE strings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A whole answer as vLLM's route sends it: status and JSON body."""
+
+    status: int
+    body: bytes
+
+
+def _json(content: Any, status: int = 200) -> Whole:
+    return Whole(status, json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _error(err: Any, anthropic: bool) -> Whole:
+    """vLLM's `ErrorResponse` as its route answers it: as it is on /v1/responses,
+    Anthropic's shape on /v1/messages (vLLM's `translate_error_response`)."""
+    if anthropic:
+        from vllm.entrypoints.anthropic.api_router import translate_error_response
+
+        resp = translate_error_response(err)
+        return Whole(resp.status_code, bytes(resp.body))
+    return _json(err.model_dump(mode="json", by_alias=True), int(err.error.code))
+
+
+def _exception(exc: Exception, anthropic: bool) -> Whole:
+    """What vLLM's app answers for an exception its handler raised."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    return _error(create_error_response(exc), anthropic)
+
+
+class WasmaLLMServer(LLMServer):
+    """`LLMServer` plus `responses` (and `retrieve_responses`, `cancel_responses` on
+    this replica's store), `anthropic_messages` and `count_tokens`."""
+
+    def _serving(self, name: str) -> Any:
+        """The replica's vLLM serving object `name` (None where the engine built none:
+        a pooling model, or an engine that is not vLLM's)."""
+        state = getattr(self.engine, "_app_state", None)
+        return getattr(state, name, None) if state is not None else None
+
+    async def _whole_or_stream(
+        self, first: Whole | None, stream: AsyncIterator[str] | None
+    ) -> AsyncGenerator[Any, None]:
+        if first is not None:
+            yield first
+            return
+        assert stream is not None
+        batches: AsyncIterator[list[str]] = self._batch_output_stream(stream)  # type: ignore[arg-type]
+        async for batch in batches:
+            yield list(batch)
+
+    async def responses(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """POST /v1/responses, answered by vLLM's `OpenAIServingResponses`."""
+        from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        first: Whole | None = None
+        stream: AsyncIterator[str] | None = None
+        handler = self._serving("openai_serving_responses")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Responses API")
+            await self._maybe_resolve_lora_from_multiplex()
+            request = ResponsesRequest.model_validate(dict(body))
+            raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
+            result = await handler.create_responses(request, raw)
+        except Exception as exc:  # vLLM's app turns these into its error answers
+            first = _exception(exc, False)
+        else:
+            if isinstance(result, ErrorResponse):
+                first = _error(result, False)
+            elif isinstance(result, ResponsesResponse):
+                first = _json(result.model_dump(mode="json", by_alias=True))
+            else:
+                stream = _convert_stream_to_sse_events(result)
+        async for item in self._whole_or_stream(first, stream):
+            yield item
+
+    async def retrieve_responses(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """GET /v1/responses/{response_id} (`body`: response_id, starting_after, stream),
+        answered from this replica's vLLM response store."""
+        from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
+        from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        first: Whole | None = None
+        stream: AsyncIterator[str] | None = None
+        handler = self._serving("openai_serving_responses")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Responses API")
+            result = await handler.retrieve_responses(
+                str(body["response_id"]),
+                starting_after=body.get("starting_after"),
+                stream=bool(body.get("stream")),
+            )
+        except Exception as exc:
+            first = _exception(exc, False)
+        else:
+            if isinstance(result, ErrorResponse):
+                first = _error(result, False)
+            elif isinstance(result, ResponsesResponse):
+                first = _json(result.model_dump(mode="json", by_alias=True))
+            else:
+                stream = _convert_stream_to_sse_events(result)
+        async for item in self._whole_or_stream(first, stream):
+            yield item
+
+    async def cancel_responses(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Whole, None]:
+        """POST /v1/responses/{response_id}/cancel, on this replica's vLLM store."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        handler = self._serving("openai_serving_responses")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Responses API")
+            result = await handler.cancel_responses(str(body["response_id"]))
+        except Exception as exc:
+            yield _exception(exc, False)
+            return
+        if isinstance(result, ErrorResponse):
+            yield _error(result, False)
+        else:
+            yield _json(result.model_dump(mode="json", by_alias=True))
+
+    async def anthropic_messages(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """POST /v1/messages, answered by vLLM's `AnthropicServingMessages`."""
+        from vllm.entrypoints.anthropic.protocol import (
+            AnthropicMessagesRequest,
+            AnthropicMessagesResponse,
+        )
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        first: Whole | None = None
+        stream: AsyncIterator[str] | None = None
+        handler = self._serving("anthropic_serving_messages")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Messages API")
+            await self._maybe_resolve_lora_from_multiplex()
+            request = AnthropicMessagesRequest.model_validate(dict(body))
+            raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
+            result = await handler.create_messages(request, raw)
+        except Exception as exc:  # as vLLM's route: every failure in Anthropic's shape
+            first = _exception(exc, True)
+        else:
+            if isinstance(result, ErrorResponse):
+                first = _error(result, True)
+            elif isinstance(result, AnthropicMessagesResponse):
+                first = _json(result.model_dump(exclude_none=True))
+            else:
+                stream = result
+        async for item in self._whole_or_stream(first, stream):
+            yield item
+
+    async def count_tokens(
+        self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
+    ) -> AsyncGenerator[Whole, None]:
+        """POST /v1/messages/count_tokens, answered by vLLM's `AnthropicServingMessages`."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        handler = self._serving("anthropic_serving_messages")
+        try:
+            if handler is None:
+                raise NotImplementedError("The model does not support Messages API")
+            request = AnthropicCountTokensRequest.model_validate(dict(body))
+            raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
+            result = await handler.count_tokens(request, raw)
+        except Exception as exc:
+            yield _exception(exc, True)
+            return
+        if isinstance(result, ErrorResponse):
+            yield _error(result, True)
+        else:
+            yield _json(result.model_dump(exclude_none=True))
+
+
+__all__ = ["WasmaLLMServer", "Whole"]
