@@ -9,7 +9,7 @@ from wasma.transfer.executor import ExecutionResult, Executor, TransferFailed
 from wasma.transfer.kv_peer import PeerError, PeerServer, PeerStore
 from wasma.transfer.overlap import exposed_per_layer_s, exposed_s, layer_transfer_times_s
 from wasma.transfer.packing import FlowNetwork, Packing
-from wasma.transfer.plan import Hop, TransferPlan
+from wasma.transfer.plan import Hop, Span, TransferPlan, even_spans
 from wasma.transfer.planner import ALGORITHMS, Planner
 from wasma.transfer.presets import build_cpu_cluster, build_preset, load_topology
 from wasma.transfer.pricing import BandwidthPricer, LinkModel, TransferPricer
@@ -33,6 +33,7 @@ __all__ = [
     "PeerServer",
     "PeerStore",
     "Planner",
+    "Span",
     "Topology",
     "TopologyBuilder",
     "TopologyError",
@@ -43,6 +44,7 @@ __all__ = [
     "build_cpu_cluster",
     "build_preset",
     "discover_local",
+    "even_spans",
     "exposed_per_layer_s",
     "exposed_s",
     "fit_alpha_beta",

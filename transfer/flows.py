@@ -46,10 +46,11 @@ class Demand:
 
 @dataclass(frozen=True)
 class FlowSchedule:
-    """Paths (devices, source first) with their rates, per demand; `lam` is `lam*`."""
+    """Paths (devices, sender first) with their rates, per group of parts (see
+    `DemandFlow`); `lam` is `lam*` of the flow they came from."""
 
     lam: float
-    paths: tuple[tuple[int, tuple[str, ...], float], ...]  # (demand index, devices, B/s)
+    paths: tuple[tuple[int, tuple[str, ...], float], ...]  # (group index, devices, B/s)
 
     @property
     def seconds(self) -> float:
