@@ -463,6 +463,8 @@ class TokenAnswer:
         self.request_id = request_id
         self.state: Any = None
         self.created = int(time.time())
+        self.sent_role = False
+        self.sent_text = ""  # the stream's last characters sent (a stop string may span)
 
     def _cached(self, usage: Any, cached: int) -> None:
         """The prefix-cache hit in `usage`, as vLLM reports it with
@@ -485,6 +487,19 @@ class TokenAnswer:
         if params is not None and params.include_stop_str_in_output:
             return token_ids
         return token_ids[:-1]
+
+    def _cut(self, text: str, stop: str, before: str) -> str:
+        """`text` (following `before`, already sent) ended where vLLM's detokenizer
+        ends it on the stop string `stop`: before it, or just after it with
+        `include_stop_str_in_output`; the engine's derenderer does not cut it."""
+        params = self.r.generate[0].sampling_params if self.r.generate else None
+        keep = bool(params is not None and params.include_stop_str_in_output)
+        tail = before[-(len(stop) - 1) :] if len(stop) > 1 else ""
+        found = (tail + text).find(stop)
+        if found < 0:
+            return text
+        end = found + (len(stop) if keep else 0) - len(tail)
+        return text[: max(0, end)]
 
     async def whole(
         self,
@@ -550,6 +565,12 @@ class TokenAnswer:
                     choice.message.content = ""
                 else:
                     choice.text = ""
+        elif isinstance(stop_reason, str) and finish_reason == "stop":
+            for choice in out.choices:
+                if r.kind == "chat" and isinstance(choice.message.content, str):
+                    choice.message.content = self._cut(choice.message.content, stop_reason, "")
+                elif r.kind != "chat" and isinstance(choice.text, str):
+                    choice.text = self._cut(choice.text, stop_reason, "")
         self._cached(out.usage, cached)
         if getattr(r.request, "return_token_ids", False):
             # vLLM 0.32's derenderer leaves out the ids its API server returns for
@@ -639,7 +660,81 @@ class TokenAnswer:
             # sends for `return_token_ids` (`wasma replay` reads them): put them back.
             for choice in piece.choices:
                 choice.token_ids = token_ids
-        return b"data: " + piece.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+        event = piece.model_dump(exclude_unset=True)
+        if isinstance(stop_reason, str) and finish_reason == "stop":
+            for choice in event.get("choices", []):
+                holder, key = (
+                    (choice.get("delta", {}), "content") if r.kind == "chat" else (choice, "text")
+                )
+                if isinstance(holder.get(key), str):
+                    holder[key] = self._cut(holder[key], stop_reason, self.sent_text)
+        for choice in event.get("choices", []):
+            text = (
+                choice.get("delta", {}).get("content") if r.kind == "chat" else choice.get("text")
+            )
+            if isinstance(text, str):
+                self.sent_text = (self.sent_text + text)[-64:]
+        events = self._as_api_server(event, usage is not None)
+        return b"".join(b"data: " + _dumps(event) + b"\n\n" for event in events)
+
+    def _as_api_server(self, event: dict[str, Any], is_usage: bool) -> list[dict[str, Any]]:
+        """A derendered stream event in the envelope vLLM's API server streams (0.32's
+        derenderer leaves out `object`, `created`, `logprobs: null` and a chat stream's
+        role-only first chunk, and adds `usage: null` / `metrics: null`): chat and
+        completion streams then read as `vllm serve`'s, event for event."""
+        chat = self.r.kind == "chat"
+        head = {
+            "id": event.pop("id", None),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+        }
+        fingerprint = getattr(self.frontend.derender, "system_fingerprint", None)
+        out: list[dict[str, Any]] = []
+        if is_usage:
+            # The closing usage event: vLLM leaves out every null in it.
+            body = _without_nulls(event)
+            body.setdefault("choices", [])
+            if fingerprint is not None:
+                body["system_fingerprint"] = fingerprint
+            return [{**head, **body}]
+        for key in ("usage", "metrics"):
+            if event.get(key) is None:
+                event.pop(key, None)
+        finished = False
+        for choice in event.get("choices", []):
+            finished = finished or choice.get("finish_reason") is not None
+            if chat:
+                delta = choice.get("delta", {})
+                if not self.sent_role and "role" in delta:
+                    # vLLM's first chunk carries the role alone (and the prompt's ids
+                    # when asked for); content follows in its own chunks.
+                    role = delta.pop("role")
+                    first = {**head, "model": event.get("model")}
+                    first["choices"] = [
+                        {
+                            "index": choice.get("index", 0),
+                            "delta": {"role": role, "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                    ids = (
+                        list(self.r.token_ids)
+                        if getattr(self.r.request, "return_token_ids", False)
+                        else None
+                    )
+                    first["prompt_token_ids"] = ids
+                    first["prompt_text"] = None
+                    out.append(first)
+                    self.sent_role = True
+            _put_after(choice, "logprobs", None, "delta" if chat else "text")
+            if not chat:
+                choice.setdefault("prompt_token_ids", None)
+                choice.setdefault("token_ids", None)
+        if finished and fingerprint is not None and not self.include_usage:
+            event["system_fingerprint"] = fingerprint
+        out.append({**head, **event})
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -648,6 +743,29 @@ class TokenAnswer:
 
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def _without_nulls(obj: Any) -> Any:
+    """`obj` with every None-valued key dropped, at every depth (pydantic's
+    `exclude_none`, as vLLM dumps its closing usage event)."""
+    if isinstance(obj, dict):
+        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_without_nulls(v) for v in obj]
+    return obj
+
+
+def _put_after(mapping: dict[str, Any], key: str, value: Any, after: str) -> None:
+    """Set `key` (if absent) just after `after`, keeping vLLM's key order."""
+    if key in mapping:
+        return
+    items = list(mapping.items())
+    mapping.clear()
+    for k, v in items:
+        mapping[k] = v
+        if k == after:
+            mapping[key] = value
+    mapping.setdefault(key, value)
 
 
 # -- Responses: the engine that stored a response answers what follows it ---------------

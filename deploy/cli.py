@@ -223,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="openai engines: drive each vLLM server through its token-in/token-out "
         "generation (/inference/v1/generate, on `vllm serve --enable-scale-out`) where the "
         "answer fits in token ids, derendered here with vLLM's derenderer (a stream cut by "
-        "a failure continues on another engine; stream chunks are the derenderer's, not "
-        "yet byte for byte the server's); auto: where the server offers it; off (default): "
-        "pass every request's body through, answered exactly as the server answers",
+        "a failure continues on another engine; answers equal the server's when this "
+        "gateway's front-end settings are the server's); auto: where the server offers "
+        "it; off (default): pass every request's body through, answered exactly as the "
+        "server answers",
     )
     sv.add_argument(
         "--kv-transfer",

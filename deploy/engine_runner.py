@@ -90,7 +90,7 @@ class EngineRunner:
         try:
             gen = engine.generate(greq)
         except ValueError as exc:
-            raise BadRequest(str(exc), "prompt") from None
+            raise BadRequest(str(exc), getattr(exc, "param", None) or "prompt") from None
         except Exception as exc:
             raise EngineFault(live.slot, exc) from None
         try:
@@ -120,7 +120,7 @@ class EngineRunner:
             self.health_check.engine_failed(slot, "ended the request without output")
             raise EngineFault(slot, "ended the request without output") from None
         except ValueError as exc:
-            raise BadRequest(str(exc), "prompt") from None
+            raise BadRequest(str(exc), getattr(exc, "param", None) or "prompt") from None
         except (ServiceError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:

@@ -55,6 +55,18 @@ def deliver_kv_events(engine: str, sinks: Sequence[KVEventSink], events: Iterabl
 _V = TypeVar("_V")
 
 
+class RequestRefused(ValueError):
+    """The engine refused the request as the client's fault (a 4xx): its message, and
+    the request field it names (`param`, as vLLM's error carries it), if any."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.param))
+
+
 class Deferred(Generic[_V]):
     """A value that crosses a process boundary as pickled bytes and is unpickled only
     where it is read. vLLM's rendered requests ride with every request to the router, which

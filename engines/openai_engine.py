@@ -31,6 +31,7 @@ from wasma.engines.base import (
     EngineClient,
     GenerateRequest,
     KVEventSink,
+    RequestRefused,
     TokenChunk,
     deliver_kv_events,
     start_or_close,
@@ -558,7 +559,7 @@ class OpenAIEngine(EngineClient):
         if status < 400:
             return
         if status < 500:
-            raise ValueError(_error_message(text, status))
+            raise RequestRefused(_error_message(text, status), _error_param(text))
         raise RemoteEngineError(f"{self.name}: HTTP {status}: {text[:300]}")
 
     async def _post_stream(
@@ -650,8 +651,20 @@ def _stream_error(name: str, error: Any) -> Exception:
     if isinstance(error, dict):
         code = error.get("code")
         if isinstance(code, int) and 400 <= code < 500 and "message" in error:
-            return ValueError(str(error["message"]))
+            param = error.get("param")
+            return RequestRefused(str(error["message"]), param if isinstance(param, str) else None)
     return RemoteEngineError(f"{name}: {error}")
+
+
+def _error_param(text: str) -> str | None:
+    """The request field a vLLM error body names (`error.param`), if any."""
+    try:
+        err = json.loads(text)
+    except ValueError:
+        return None
+    inner = err.get("error") if isinstance(err, dict) else None
+    param = inner.get("param") if isinstance(inner, dict) else None
+    return param if isinstance(param, str) else None
 
 
 def _error_message(text: str, status: int) -> str:

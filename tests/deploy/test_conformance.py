@@ -333,6 +333,36 @@ def wasma_url(vllm_api_server: tuple[str, str]) -> Iterator[str]:
         yield srv.url
 
 
+@pytest.fixture(scope="module")
+def wasma_tokens_url(vllm_api_server: tuple[str, str]) -> Iterator[str]:
+    """wasma driving the same server through its token-in/token-out generation
+    (`--remote-tokens on`): rendered and derendered by vLLM's parts in the gateway, so
+    the gateway renders with the server's settings (forced tool calls by JSON schema, as
+    tests/conftest.py sets for the whole suite, and no prefix-cache counts in usage, as
+    the server runs without `--enable-prompt-tokens-details`)."""
+    from wasma.deploy.frontend import Frontend, FrontendOptions
+
+    url, model = vllm_api_server
+    options = FrontendOptions(
+        model=model,
+        served_model_name=(MODEL,),
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        max_model_len=2048,
+        prompt_tokens_details=False,
+    )
+    frontend = asyncio.run(Frontend.build(options))
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse(f"openai:{url}"),
+        policy="wasma",
+        model=model,
+        engine_options={"tokens_api": True},
+    )
+    app = create_app(local_router_factory(cfg), frontend, GatewayConfig(model_names=(MODEL,)))
+    with ServerThread(app) as srv:
+        yield srv.url
+
+
 def _send(client: httpx.Client, base: str, path: str, body: Any) -> httpx.Response:
     if body is None:
         return client.get(base + path)
@@ -353,6 +383,20 @@ def test_same_answer_as_vllm(name: str, vllm_api_server: tuple[str, str], wasma_
         direct = _answer(_send(client, url, path, body))
         through = _answer(_send(client, wasma_url, path, body))
     # As text, one field a line: a difference shows as the lines that differ.
+    assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
+        direct, indent=1, sort_keys=True
+    ), name
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_same_answer_through_token_generation(
+    name: str, vllm_api_server: tuple[str, str], wasma_tokens_url: str
+) -> None:
+    url, _ = vllm_api_server
+    path, body = CORPUS[name]
+    with httpx.Client(timeout=120) as client:
+        direct = _answer(_send(client, url, path, body))
+        through = _answer(_send(client, wasma_tokens_url, path, body))
     assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
         direct, indent=1, sort_keys=True
     ), name
