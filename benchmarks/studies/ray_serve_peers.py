@@ -44,6 +44,7 @@ import math
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,27 +327,57 @@ def llm_deployment() -> str:
     return names[0]
 
 
+def replica_actors(dep: str) -> list[Any]:
+    """The running replicas of deployment `dep` in the app, as Ray actors."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    from ray.util import list_named_actors
+
+    tag = f"::{APP_NAME}#{dep}#"  # SERVE_REPLICA::<app>#<deployment>#<id>
+    names = [
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a["namespace"] == SERVE_NAMESPACE and tag in a["name"]
+    ]
+    return [ray.get_actor(n, namespace=SERVE_NAMESPACE) for n in names]
+
+
+def call_replicas(dep: str, method: str) -> list[Any]:
+    """`method` on every replica, as Ray LLM's `broadcast` calls it (a handle's router
+    would be built in this process for it: wasma's opens its scheduling state)."""
+    import pickle
+    import uuid
+
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    futures = []
+    for actor in replica_actors(dep):
+        rid = f"broadcast-{uuid.uuid4()}"
+        meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method)
+        futures.append(actor.handle_request.remote(pickle.dumps(meta)))
+    return list(ray.get(futures))
+
+
 def make_cold(router: str) -> dict[str, Any]:
     """Empty both replicas' vLLM prefix caches and the router's own view of them."""
     import ray
-    from ray import serve
-    from ray.llm._internal.serve.utils.broadcast import broadcast
     from ray.serve._private.constants import SERVE_NAMESPACE
 
     from wasma.ray_serve.app import state_name
 
     dep = llm_deployment()
-    handle = serve.get_deployment_handle(dep, app_name=APP_NAME)
-    done = broadcast(handle, "reset_prefix_cache")
+    done = call_replicas(dep, "reset_prefix_cache")
+    if len(done) != 2:
+        raise RuntimeError(f"reset {len(done)} replicas of {dep}, expected 2")
     view = "none"
     if router == "wasma":
         state = ray.get_actor(state_name(MODEL_ID), namespace=SERVE_NAMESPACE)
         ray.get(state.forget.remote())
         view = "scheduling state forgot"
     elif router == "prefix":
-        tree = ray.get_actor(
-            "LlmPrefixTreeActor", namespace=f"{SERVE_NAMESPACE}::{APP_NAME}::{dep}"
-        )
+        ns = f"{SERVE_NAMESPACE}::{APP_NAME}::{dep}"
+        tree = ray.get_actor("LlmPrefixTreeActor", namespace=ns)
         tenants: list[str] = list(ray.get(tree.getattr.remote("tenant_to_char_count")))
         ray.get(tree.remove_tenants.remote(tenants))
         ray.get(tree.add_tenants.remote(tenants, time.time()))
@@ -480,6 +511,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=240.0)
     p.add_argument("--address", default=None, help="a running Ray cluster (default: start one)")
     p.add_argument("--no-sim", action="store_true")
+    p.add_argument(
+        "--ray-logs",
+        action="store_true",
+        help="print the replicas' logs here (else in Ray's log dir)",
+    )
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     unknown = [r for r in args.routers if r not in ROUTERS]
@@ -528,9 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     env = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
     if args.address:
-        ray.init(address=args.address, runtime_env=env)
+        ray.init(address=args.address, runtime_env=env, log_to_driver=args.ray_logs)
     else:  # logical CPUs: each replica's placement group asks for two
-        ray.init(num_cpus=8, include_dashboard=False, runtime_env=env)
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env=env, log_to_driver=args.ray_logs)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     old = signal.signal(signal.SIGTERM, _on_term)
     t_start = time.monotonic()
@@ -573,6 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     row = run_one(url, router, cell, rep, traces, args)
                 except Exception as exc:  # one failed run must not lose the others
+                    traceback.print_exc()
                     row = {
                         "router": ROUTERS[router][0],
                         "app": cell.app,
