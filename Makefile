@@ -37,8 +37,11 @@ prometheus:
 		|| (apt-get update && apt-get install -y prometheus)
 
 # Coverage of the wasma package by the suite: 88% when the floor was set, less a point for
-# timing-dependent branches, so a change that drops tests fails here.
-COV_FLOOR ?= 87
+# timing-dependent branches, so a change that drops tests fails here. 86 since the Ray
+# Serve replica and ingress code (ray_serve/server.py, ingress.py) grew: it runs inside
+# Serve's replica processes, which coverage does not follow (the live tests in
+# tests/ray_serve exercise it), so the measured share fell to 86.6% with every test passing.
+COV_FLOOR ?= 86
 
 test: lint prometheus
 	$(BIN)/pytest -q --cov --cov-report= --cov-fail-under=$(COV_FLOOR)
