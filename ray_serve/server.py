@@ -19,7 +19,7 @@ or lists of SSE strings.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,34 +78,63 @@ class WasmaLLMServer(LLMServer):
         async for batch in batches:
             yield list(batch)
 
+    async def _answer(
+        self,
+        serving: str,
+        missing: str,
+        anthropic: bool,
+        call: Callable[[Any], Awaitable[Any]],
+        whole: Callable[[Any], Any],
+        streamed: Callable[[Any], AsyncIterator[str]] | None = None,
+    ) -> AsyncGenerator[Any, None]:
+        """The answer of vLLM serving object `serving` to `call`, as vLLM's routes send
+        it: any failure, or its `ErrorResponse`, in the API's error shape (Anthropic's
+        for Messages); a whole answer as `whole(result)` JSON; otherwise, where the call
+        streams, `streamed(result)` in batches."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        first: Whole | None = None
+        stream: AsyncIterator[str] | None = None
+        handler = self._serving(serving)
+        try:
+            if handler is None:
+                raise NotImplementedError(missing)
+            result = await call(handler)
+        except Exception as exc:  # vLLM's app turns these into its error answers
+            first = _exception(exc, anthropic)
+        else:
+            if isinstance(result, ErrorResponse):
+                first = _error(result, anthropic)
+            else:
+                answer = whole(result)
+                if answer is not None or streamed is None:
+                    first = _json(answer)
+                else:
+                    stream = streamed(result)
+        async for item in self._whole_or_stream(first, stream):
+            yield item
+
     async def responses(
         self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
     ) -> AsyncGenerator[Any, None]:
         """POST /v1/responses, answered by vLLM's `OpenAIServingResponses`."""
         from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-        first: Whole | None = None
-        stream: AsyncIterator[str] | None = None
-        handler = self._serving("openai_serving_responses")
-        try:
-            if handler is None:
-                raise NotImplementedError("The model does not support Responses API")
+        async def call(handler: Any) -> Any:
             await self._maybe_resolve_lora_from_multiplex()
             request = ResponsesRequest.model_validate(dict(body))
             raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
-            result = await handler.create_responses(request, raw)
-        except Exception as exc:  # vLLM's app turns these into its error answers
-            first = _exception(exc, False)
-        else:
-            if isinstance(result, ErrorResponse):
-                first = _error(result, False)
-            elif isinstance(result, ResponsesResponse):
-                first = _json(result.model_dump(mode="json", by_alias=True))
-            else:
-                stream = _convert_stream_to_sse_events(result)
-        async for item in self._whole_or_stream(first, stream):
+            return await handler.create_responses(request, raw)
+
+        async for item in self._answer(
+            "openai_serving_responses",
+            "The model does not support Responses API",
+            False,
+            call,
+            _response_json,
+            _convert_stream_to_sse_events,
+        ):
             yield item
 
     async def retrieve_responses(
@@ -114,81 +143,70 @@ class WasmaLLMServer(LLMServer):
         """GET /v1/responses/{response_id} (`body`: response_id, starting_after, stream),
         answered from this replica's vLLM response store."""
         from vllm.entrypoints.openai.responses.api_router import _convert_stream_to_sse_events
-        from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        first: Whole | None = None
-        stream: AsyncIterator[str] | None = None
-        handler = self._serving("openai_serving_responses")
-        try:
-            if handler is None:
-                raise NotImplementedError("The model does not support Responses API")
-            result = await handler.retrieve_responses(
+        async def call(handler: Any) -> Any:
+            return await handler.retrieve_responses(
                 str(body["response_id"]),
                 starting_after=body.get("starting_after"),
                 stream=bool(body.get("stream")),
             )
-        except Exception as exc:
-            first = _exception(exc, False)
-        else:
-            if isinstance(result, ErrorResponse):
-                first = _error(result, False)
-            elif isinstance(result, ResponsesResponse):
-                first = _json(result.model_dump(mode="json", by_alias=True))
-            else:
-                stream = _convert_stream_to_sse_events(result)
-        async for item in self._whole_or_stream(first, stream):
+
+        async for item in self._answer(
+            "openai_serving_responses",
+            "The model does not support Responses API",
+            False,
+            call,
+            _response_json,
+            _convert_stream_to_sse_events,
+        ):
             yield item
 
     async def cancel_responses(
         self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
     ) -> AsyncGenerator[Whole, None]:
         """POST /v1/responses/{response_id}/cancel, on this replica's vLLM store."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        handler = self._serving("openai_serving_responses")
-        try:
-            if handler is None:
-                raise NotImplementedError("The model does not support Responses API")
-            result = await handler.cancel_responses(str(body["response_id"]))
-        except Exception as exc:
-            yield _exception(exc, False)
-            return
-        if isinstance(result, ErrorResponse):
-            yield _error(result, False)
-        else:
-            yield _json(result.model_dump(mode="json", by_alias=True))
+        async def call(handler: Any) -> Any:
+            return await handler.cancel_responses(str(body["response_id"]))
+
+        async for item in self._answer(
+            "openai_serving_responses",
+            "The model does not support Responses API",
+            False,
+            call,
+            lambda result: result.model_dump(mode="json", by_alias=True),
+        ):
+            yield item
 
     async def anthropic_messages(
         self, body: Mapping[str, Any], raw_request_info: RawRequestInfo | None = None
     ) -> AsyncGenerator[Any, None]:
-        """POST /v1/messages, answered by vLLM's `AnthropicServingMessages`."""
+        """POST /v1/messages, answered by vLLM's `AnthropicServingMessages` (as vLLM's
+        route: every failure in Anthropic's shape)."""
         from vllm.entrypoints.anthropic.protocol import (
             AnthropicMessagesRequest,
             AnthropicMessagesResponse,
         )
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        first: Whole | None = None
-        stream: AsyncIterator[str] | None = None
-        handler = self._serving("anthropic_serving_messages")
-        try:
-            if handler is None:
-                raise NotImplementedError("The model does not support Messages API")
+        async def call(handler: Any) -> Any:
             await self._maybe_resolve_lora_from_multiplex()
             request = AnthropicMessagesRequest.model_validate(dict(body))
             raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
-            result = await handler.create_messages(request, raw)
-        except Exception as exc:  # as vLLM's route: every failure in Anthropic's shape
-            first = _exception(exc, True)
-        else:
-            if isinstance(result, ErrorResponse):
-                first = _error(result, True)
-            elif isinstance(result, AnthropicMessagesResponse):
-                first = _json(result.model_dump(exclude_none=True))
-            else:
-                stream = result
-        async for item in self._whole_or_stream(first, stream):
+            return await handler.create_messages(request, raw)
+
+        def whole(result: Any) -> Any:
+            if isinstance(result, AnthropicMessagesResponse):
+                return result.model_dump(exclude_none=True)
+            return None  # a stream of SSE strings
+
+        async for item in self._answer(
+            "anthropic_serving_messages",
+            "The model does not support Messages API",
+            True,
+            call,
+            whole,
+            lambda result: result,
+        ):
             yield item
 
     async def count_tokens(
@@ -196,22 +214,29 @@ class WasmaLLMServer(LLMServer):
     ) -> AsyncGenerator[Whole, None]:
         """POST /v1/messages/count_tokens, answered by vLLM's `AnthropicServingMessages`."""
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        handler = self._serving("anthropic_serving_messages")
-        try:
-            if handler is None:
-                raise NotImplementedError("The model does not support Messages API")
+        async def call(handler: Any) -> Any:
             request = AnthropicCountTokensRequest.model_validate(dict(body))
             raw = RawRequestInfo.to_starlette_request_optional(raw_request_info)
-            result = await handler.count_tokens(request, raw)
-        except Exception as exc:
-            yield _exception(exc, True)
-            return
-        if isinstance(result, ErrorResponse):
-            yield _error(result, True)
-        else:
-            yield _json(result.model_dump(exclude_none=True))
+            return await handler.count_tokens(request, raw)
+
+        async for item in self._answer(
+            "anthropic_serving_messages",
+            "The model does not support Messages API",
+            True,
+            call,
+            lambda result: result.model_dump(exclude_none=True),
+        ):
+            yield item
+
+
+def _response_json(result: Any) -> Any:
+    """A whole Responses answer as vLLM's route dumps it; None for a stream."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
+
+    if isinstance(result, ResponsesResponse):
+        return result.model_dump(mode="json", by_alias=True)
+    return None
 
 
 __all__ = ["WasmaLLMServer", "Whole"]
