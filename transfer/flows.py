@@ -118,21 +118,8 @@ class DemandFlow:
         self.weights = tuple(weights) if weights is not None else (1.0,) * len(self.groups)
         if len(self.weights) != len(self.groups) or not all(w > 0 for w in self.weights):
             raise ValueError("one positive weight per group")
-        graph = nx.DiGraph()
-        for key, c in network.capacity.items():
-            if isinstance(key, str):  # a device's shared limit: in -> out
-                graph.add_edge(("in", key), ("out", key), capacity=c)
-        for key, c in network.capacity.items():
-            if isinstance(key, tuple):
-                u, v = key
-                graph.add_edge(self._out(u), self._in(v), capacity=c)
-        self.graph = graph
-
-    def _in(self, node: str) -> object:
-        return ("in", node) if node in self.network.capacity else node
-
-    def _out(self, node: str) -> object:
-        return ("out", node) if node in self.network.capacity else node
+        self.graph = network.split_graph()
+        self._in, self._out = network.inlet, network.outlet
 
     def _bytes(self, g: int) -> float:
         return self.weights[g] * float(sum(d.num_bytes for d in self.groups[g]))

@@ -105,27 +105,35 @@ class FlowNetwork:
             neighbours.sort()
 
     # the bound ---------------------------------------------------------------------------
-    def max_flow_Bps(self, holders: Sequence[str], dst: str) -> float:
-        """Max flow from the holders (together) to `dst`; any GPU may relay."""
+    def split_graph(self) -> nx.DiGraph:
+        """The capacities as a flow graph: a device with a throughput limit split into
+        `inlet(d) -> outlet(d)` carrying it, every link `outlet(u) -> inlet(v)`."""
         graph = nx.DiGraph()
         for key, c in self.capacity.items():
-            if isinstance(key, str):  # a device's limit: split it into in -> out
+            if isinstance(key, str):
                 graph.add_edge(("in", key), ("out", key), capacity=c)
         for key, c in self.capacity.items():
             if isinstance(key, tuple):
                 u, v = key
-                graph.add_edge(self._out(u), self._in(v), capacity=c)
+                graph.add_edge(self.outlet(u), self.inlet(v), capacity=c)
+        return graph
+
+    def max_flow_Bps(self, holders: Sequence[str], dst: str) -> float:
+        """Max flow from the holders (together) to `dst`; any GPU may relay."""
+        graph = self.split_graph()
         for holder in holders:
-            graph.add_edge("*", self._out(holder))  # no capacity: unbounded
-        target = self._in(dst)
+            graph.add_edge("*", self.outlet(holder))  # no capacity: unbounded
+        target = self.inlet(dst)
         if target not in graph or "*" not in graph:
             return 0.0
         return float(nx.maximum_flow_value(graph, "*", target))
 
-    def _in(self, node: str) -> object:
+    def inlet(self, node: str) -> object:
+        """Where flow into `node` arrives in `split_graph`."""
         return ("in", node) if node in self.capacity else node
 
-    def _out(self, node: str) -> object:
+    def outlet(self, node: str) -> object:
+        """Where flow out of `node` leaves in `split_graph`."""
         return ("out", node) if node in self.capacity else node
 
     # trees -------------------------------------------------------------------------------
