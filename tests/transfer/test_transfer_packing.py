@@ -23,7 +23,6 @@ def check_fluid_schedule(planner: Planner, plan: TransferPlan) -> None:
     more than its capacity at once, and each device gets each byte exactly once."""
     on_link: dict[tuple[str, str], float] = defaultdict(float)
     on_node: dict[str, float] = defaultdict(float)
-    received: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for hop in plan.hops:
         assert hop.rate_Bps is not None and hop.rate_Bps > 0 and hop.stage == 0
         for link in itertools.pairwise(hop.path):
@@ -31,12 +30,21 @@ def check_fluid_schedule(planner: Planner, plan: TransferPlan) -> None:
         for node in hop.path[1:-1]:
             on_node[node] += hop.rate_Bps
             assert planner.topology.kind_of(node) != "gpu"  # GPUs relay only as endpoints
-        received[hop.dst].append((hop.offset_bytes, hop.offset_bytes + hop.num_bytes))
     for (u, v), rate in on_link.items():
         assert rate <= planner.links.bandwidth(u, v) * (1 + 1e-9), (u, v)
     for node, rate in on_node.items():
         limit = planner.links.throughput(node)
         assert limit is None or rate <= limit * (1 + 1e-9), node
+    check_received(plan)
+
+
+def check_received(plan: TransferPlan) -> None:
+    """Each device gets each byte at most once and never one it holds from the start,
+    and every receiver gets at least the bytes it wants (relays may hold more, in
+    transit)."""
+    received: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for hop in plan.hops:
+        received[hop.dst].append((hop.offset_bytes, hop.offset_bytes + hop.num_bytes))
     for device, ranges in received.items():
         ranges.sort()
         for lo, hi in ranges:  # nobody is sent bytes it holds from the start

@@ -3,7 +3,6 @@ byte-exactly by the executors."""
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import replace
 from typing import Any
@@ -13,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wasma.benchmarks.studies.plan_table import random_cluster
-from wasma.transfer import Planner, TransferPlan, build_preset
+from wasma.transfer import Planner, build_preset
 from wasma.transfer.algorithms import with_chunks
 from wasma.transfer.cpu_executor import CpuExecutor
 from wasma.transfer.flows import DemandFlow, gather_demands, scatter_demands
@@ -21,26 +20,10 @@ from wasma.transfer.plan import Span, check_plan, even_spans
 from wasma.transfer.topology import TopologyBuilder, TopologyError
 from wasma.transfer.torch_executor import TorchDistExecutor, torch_available
 
-from .test_transfer_packing import check_fluid_schedule
+from .test_transfer_packing import check_fluid_schedule, check_received
 
 MIB = 1 << 20
 SIZE = 1_000_003  # odd, so part and piece boundaries are uneven
-
-
-def check_parts_received(plan: TransferPlan) -> None:
-    """Every device gets each byte at most once, and each receiver exactly what it wants
-    (relays may hold more, in transit)."""
-    received: dict[str, list[tuple[int, int]]] = {}
-    for hop in plan.hops:
-        received.setdefault(hop.dst, []).append(
-            (hop.offset_bytes, hop.offset_bytes + hop.num_bytes)
-        )
-    for device, ranges in received.items():
-        ranges.sort()
-        for (_, end), (start, _) in itertools.pairwise(ranges):
-            assert end <= start, f"{device} gets bytes twice"
-        for lo, hi in ranges:  # nobody is sent bytes it already holds
-            assert not any(a < hi and lo < b for a, b in plan.holdings(device)), device
 
 
 def test_demands_cut_the_bytes_at_every_holders_edges() -> None:
@@ -70,7 +53,7 @@ def test_scatter_on_one_node_reaches_the_bound_and_uses_every_link() -> None:
     dsts = [f"n0.gpu{g}" for g in range(1, 8)]
     plan = planner.plan_scatter("n0.gpu0", even_spans(dsts, 1 << 30), 1 << 30)
     check_plan(plan)
-    check_parts_received(plan)
+    check_received(plan)
     assert plan.pattern == "scatter" and plan.ratio is not None and plan.ratio <= 1.01
     assert {w.device for w in plan.wanted} == set(dsts)
     # Bytes leave through NVLink and the PCIe tree at once (the bound counts both).
@@ -84,7 +67,7 @@ def test_two_node_gather_uses_every_rail(size: int) -> None:
     holders = [f"n1.gpu{g}" for g in range(8)]
     plan = planner.plan_gather(even_spans(holders, size), "n0.gpu0", size)
     check_plan(plan)
-    check_parts_received(plan)
+    check_received(plan)
     check_fluid_schedule(planner, plan)
     assert plan.pattern == "gather" and plan.ratio is not None and plan.ratio <= 1.15
     rails = {n for h in plan.hops for n in h.path if n.startswith("n1.nic")}
@@ -108,7 +91,7 @@ def test_a_part_held_twice_comes_from_either_holder() -> None:
     )
     near = planner.plan_gather([Span("n0.gpu1", 0, size)], "n0.gpu0", size)
     check_plan(both)
-    check_parts_received(both)
+    check_received(both)
     assert {h.src for h in both.hops if h.after is None} == {"n0.gpu1", "n0.gpu2"}
     assert both.bound_s is not None and near.bound_s is not None
     assert both.bound_s < 0.51 * near.bound_s + 10e-6 and both.ratio is not None
@@ -177,7 +160,7 @@ def test_random_clusters_parts_are_feasible_and_near_the_bound(
         planner.plan_gather(spans, one, size) if gather else planner.plan_scatter(one, spans, size)
     )
     check_plan(plan)
-    check_parts_received(plan)
+    check_received(plan)
     if plan.algorithm == "flow_paths":
         check_fluid_schedule(planner, plan)
     assert plan.bound_s is not None
