@@ -7,6 +7,7 @@ parser, one engine for the session."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -314,23 +315,38 @@ def _body_of(resp: httpx.Response, ctype: str) -> Any:
         return text
 
 
-@pytest.fixture(scope="module")
-def wasma_url(vllm_api_server: tuple[str, str]) -> Iterator[str]:
+@contextlib.contextmanager
+def _gateway(
+    url: str, model: str, *, tokens: bool = False, prompt_tokens_details: bool = True
+) -> Iterator[str]:
+    """`wasma serve --engines openai:URL` in front of the session's server, in this
+    process; `tokens`: through its token-in/token-out generation (`--remote-tokens on`)."""
     from wasma.deploy.frontend import Frontend, FrontendOptions
 
-    url, model = vllm_api_server
     options = FrontendOptions(
         model=model,
         served_model_name=(MODEL,),
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
         max_model_len=2048,
+        prompt_tokens_details=prompt_tokens_details,
     )
     frontend = asyncio.run(Frontend.build(options))
-    cfg = ServiceConfig(engines=EngineSpec.parse(f"openai:{url}"), policy="wasma", model=model)
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse(f"openai:{url}"),
+        policy="wasma",
+        model=model,
+        engine_options={"tokens_api": True} if tokens else {},
+    )
     app = create_app(local_router_factory(cfg), frontend, GatewayConfig(model_names=(MODEL,)))
     with ServerThread(app) as srv:
         yield srv.url
+
+
+@pytest.fixture(scope="module")
+def wasma_url(vllm_api_server: tuple[str, str]) -> Iterator[str]:
+    with _gateway(*vllm_api_server) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -340,27 +356,8 @@ def wasma_tokens_url(vllm_api_server: tuple[str, str]) -> Iterator[str]:
     the gateway renders with the server's settings (forced tool calls by JSON schema, as
     tests/conftest.py sets for the whole suite, and no prefix-cache counts in usage, as
     the server runs without `--enable-prompt-tokens-details`)."""
-    from wasma.deploy.frontend import Frontend, FrontendOptions
-
-    url, model = vllm_api_server
-    options = FrontendOptions(
-        model=model,
-        served_model_name=(MODEL,),
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-        max_model_len=2048,
-        prompt_tokens_details=False,
-    )
-    frontend = asyncio.run(Frontend.build(options))
-    cfg = ServiceConfig(
-        engines=EngineSpec.parse(f"openai:{url}"),
-        policy="wasma",
-        model=model,
-        engine_options={"tokens_api": True},
-    )
-    app = create_app(local_router_factory(cfg), frontend, GatewayConfig(model_names=(MODEL,)))
-    with ServerThread(app) as srv:
-        yield srv.url
+    with _gateway(*vllm_api_server, tokens=True, prompt_tokens_details=False) as url:
+        yield url
 
 
 def _send(client: httpx.Client, base: str, path: str, body: Any) -> httpx.Response:
@@ -377,11 +374,15 @@ def test_corpus_is_large_enough() -> None:
 
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_same_answer_as_vllm(name: str, vllm_api_server: tuple[str, str], wasma_url: str) -> None:
-    url, _ = vllm_api_server
+    _assert_same_answer(name, vllm_api_server[0], wasma_url)
+
+
+def _assert_same_answer(name: str, server: str, wasma: str) -> None:
+    """Corpus request `name` sent to the server and through wasma: equal answers."""
     path, body = CORPUS[name]
     with httpx.Client(timeout=120) as client:
-        direct = _answer(_send(client, url, path, body))
-        through = _answer(_send(client, wasma_url, path, body))
+        direct = _answer(_send(client, server, path, body))
+        through = _answer(_send(client, wasma, path, body))
     # As text, one field a line: a difference shows as the lines that differ.
     assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
         direct, indent=1, sort_keys=True
@@ -392,14 +393,7 @@ def test_same_answer_as_vllm(name: str, vllm_api_server: tuple[str, str], wasma_
 def test_same_answer_through_token_generation(
     name: str, vllm_api_server: tuple[str, str], wasma_tokens_url: str
 ) -> None:
-    url, _ = vllm_api_server
-    path, body = CORPUS[name]
-    with httpx.Client(timeout=120) as client:
-        direct = _answer(_send(client, url, path, body))
-        through = _answer(_send(client, wasma_tokens_url, path, body))
-    assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
-        direct, indent=1, sort_keys=True
-    ), name
+    _assert_same_answer(name, vllm_api_server[0], wasma_tokens_url)
 
 
 def test_placement_hashes_the_ids_the_engine_caches(
