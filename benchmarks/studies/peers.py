@@ -70,6 +70,7 @@ from wasma.benchmarks.studies.peers_report import (
     markdown_table,
     plot,
     prefix_counter_delta,
+    run_line,
     sim_table,
     targets_table,
 )
@@ -849,14 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
                 tqdm.write(f"{spec.router.name} {spec.app} x{spec.rate_scale:g}: {exc}")
             if "error" not in row:
-                tqdm.write(
-                    f"{row['router']:<30} {row['app']:<9} x{row['rate_scale']:<4g} "
-                    f"goodput {row['goodput_wf_per_s']:.3f} "
-                    f"attain {row['deadline_attainment']:.2f} "
-                    f"p95 {row['p95_workflow_s']:.2f}s "
-                    f"hits {row['engine_prefix_hit_ratio'] or 0:.2f} "
-                    f"failed {row['failed_requests']}"
-                )
+                tqdm.write(run_line(row, 30))
             row["deadline_scale"] = scale
             rows.append(row)
             _write(out, {"runs": rows, "sim_baselines": sims, "meta": meta})

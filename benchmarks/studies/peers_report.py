@@ -35,6 +35,18 @@ def prefix_counter_delta(
     return queries, hits, (hits / queries if queries > 0 else None)
 
 
+def run_line(row: Mapping[str, Any], router_width: int) -> str:
+    """One finished run as the studies print it while they go."""
+    return (
+        f"{row['router']:<{router_width}} {row['app']:<9} x{row['rate_scale']:<4g} "
+        f"goodput {row['goodput_wf_per_s']:.3f} "
+        f"attain {row['deadline_attainment']:.2f} "
+        f"p95 {row['p95_workflow_s']:.2f}s "
+        f"hits {row['engine_prefix_hit_ratio'] or 0:.2f} "
+        f"failed {row['failed_requests']}"
+    )
+
+
 def spread(values: Iterable[float | None]) -> dict[str, float] | None:
     vals = [float(v) for v in values if v is not None]
     if not vals:

@@ -60,7 +60,13 @@ from wasma.benchmarks.studies.peers import (
     _write,
     engine_speed,
 )
-from wasma.benchmarks.studies.peers_report import aggregate, markdown_table, plot, targets_table
+from wasma.benchmarks.studies.peers_report import (
+    aggregate,
+    markdown_table,
+    plot,
+    run_line,
+    targets_table,
+)
 
 APP_NAME = "peers"
 MODEL_ID = "tiny"
@@ -621,14 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                     tqdm.write(f"{router} {cell.app} x{cell.rate_scale:g}: {exc!r}")
                 else:
-                    tqdm.write(
-                        f"{row['router']:<20} {row['app']:<9} x{row['rate_scale']:<4g} "
-                        f"goodput {row['goodput_wf_per_s']:.3f} "
-                        f"attain {row['deadline_attainment']:.2f} "
-                        f"p95 {row['p95_workflow_s']:.2f}s "
-                        f"hits {row['engine_prefix_hit_ratio'] or 0:.2f} "
-                        f"failed {row['failed_requests']}"
-                    )
+                    tqdm.write(run_line(row, 20))
                 row["deploy_s"] = deploy_s
                 rows.append(row)
                 _write(out, {"runs": rows, "sim": sims, "meta": meta})
