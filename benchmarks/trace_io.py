@@ -22,8 +22,10 @@ imported from Mooncake exports back to the same lines.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,8 +53,14 @@ class TraceRequest:
 
 
 def _read_text(path: Path) -> str:
+    """The file's text; `.gz` files are decompressed (published traces ship that way)."""
     try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return f.read()
         return path.read_text()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # before OSError: a subclass
+        raise TraceError(f"{path}: not a readable gzip file: {exc}") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

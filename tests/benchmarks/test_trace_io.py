@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from wasma.deploy.cli import main
 from wasma.scheduler.trace import TraceError, load_trace
 
 SLICE = Path(__file__).parent / "data" / "mooncake_slice.jsonl"
+# Mooncake's real conversation trace (FAST'25 release), shipped with the benchmarks.
+CONVERSATION = (
+    Path(__file__).parents[2] / "benchmarks" / "data" / "mooncake_conversation.jsonl.gz"
+)
 
 
 def _lines(path: Path) -> list[dict[str, object]]:
@@ -34,6 +39,40 @@ def test_mooncake_round_trip_is_exact(tmp_path: Path) -> None:
     out = tmp_path / "back.jsonl"
     write_mooncake(out, to_mooncake(wfs))
     assert _lines(out) == _lines(SLICE)
+
+
+def test_gzipped_traces_read_as_their_text(tmp_path: Path) -> None:
+    packed = tmp_path / "slice.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(SLICE.read_text())
+    assert read_mooncake(packed) == read_mooncake(SLICE)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:200])
+    with pytest.raises(TraceError, match="not a readable gzip file") as info:
+        read_mooncake(cut)
+    assert str(info.value).startswith(str(cut))
+
+
+def test_real_conversation_trace_round_trips() -> None:
+    """The bundled real trace: all 12,031 requests import (none too long) and export back
+    to the published lines; every prompt starts with the same block (a shared system
+    prompt) and later turns extend earlier prompts, so the prefix structure is there."""
+    prof = load_profile("llama3-8b-h100")
+    reqs = read_mooncake(CONVERSATION)
+    wfs, dropped = to_workflows(reqs, prof)
+    assert dropped == 0 and len(wfs) == 12_031
+    with gzip.open(CONVERSATION, "rt") as f:
+        published = [json.loads(line) for line in f if line.strip()]
+    assert to_mooncake(wfs) == published
+    assert {r.hash_ids[0] for r in reqs} == {0}
+    seen: set[tuple[int, ...]] = set()
+    turns = 0
+    for r in reqs:
+        ids = r.hash_ids
+        turns += any(ids[:k] in seen for k in range(2, len(ids)))
+        seen.add(ids[: r.input_tokens // 512])
+    assert turns > 3_000  # 3,975: a third of the requests continue an earlier prompt
+    assert 0.3 < prefix_hit_ceiling(wfs, prof.block_size) < 0.45
 
 
 def test_shared_blocks_share_kv_exactly() -> None:
