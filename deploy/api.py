@@ -465,6 +465,16 @@ class TokenAnswer:
         self.created = int(time.time())
         self.sent_role = False
         self.sent_text = ""  # the stream's last characters sent (a stop string may span)
+        # vLLM's detokenizer holds back the last (longest stop string - 1) characters of
+        # a stream until more text shows they do not begin a stop string (unless the
+        # stop string is to be shown): a stop string spanning chunks is never half sent.
+        params = rendered.generate[0].sampling_params if rendered.generate else None
+        stops = [] if params is None or not params.stop else params.stop
+        if isinstance(stops, str):
+            stops = [stops]
+        keep = params is not None and params.include_stop_str_in_output
+        self.hold = max(map(len, stops)) - 1 if stops and not keep else 0
+        self.held = ""  # text derendered but not yet sent
 
     def _cached(self, usage: Any, cached: int) -> None:
         """The prefix-cache hit in `usage`, as vLLM reports it with
@@ -661,13 +671,23 @@ class TokenAnswer:
             for choice in piece.choices:
                 choice.token_ids = token_ids
         event = piece.model_dump(exclude_unset=True)
-        if isinstance(stop_reason, str) and finish_reason == "stop":
-            for choice in event.get("choices", []):
-                holder, key = (
-                    (choice.get("delta", {}), "content") if r.kind == "chat" else (choice, "text")
-                )
-                if isinstance(holder.get(key), str):
-                    holder[key] = self._cut(holder[key], stop_reason, self.sent_text)
+        for choice in event.get("choices", []):
+            holder, key = (
+                (choice.get("delta", {}), "content") if r.kind == "chat" else (choice, "text")
+            )
+            text = holder.get(key)
+            if not isinstance(text, str):
+                if not (self.held and finish_reason is not None):
+                    continue
+                text = ""  # the last event carries what was held back
+            if self.hold:
+                text, self.held = self.held + text, ""
+                if finish_reason is None:
+                    split = max(0, len(text) - self.hold)
+                    text, self.held = text[:split], text[split:]
+            if isinstance(stop_reason, str) and finish_reason == "stop":
+                text = self._cut(text, stop_reason, self.sent_text)
+            holder[key] = text
         for choice in event.get("choices", []):
             text = (
                 choice.get("delta", {}).get("content") if r.kind == "chat" else choice.get("text")
@@ -704,6 +724,9 @@ class TokenAnswer:
         for choice in event.get("choices", []):
             finished = finished or choice.get("finish_reason") is not None
             if chat:
+                if choice.get("finish_reason") is None and choice.get("stop_reason") is None:
+                    # vLLM's chat stream names a stop reason on the last chunk only.
+                    choice.pop("stop_reason", None)
                 delta = choice.get("delta", {})
                 if not self.sent_role and "role" in delta:
                     # vLLM's first chunk carries the role alone (and the prompt's ids

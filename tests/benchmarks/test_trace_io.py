@@ -22,9 +22,7 @@ from wasma.scheduler.trace import TraceError, load_trace
 
 SLICE = Path(__file__).parent / "data" / "mooncake_slice.jsonl"
 # Mooncake's real conversation trace (FAST'25 release), shipped with the benchmarks.
-CONVERSATION = (
-    Path(__file__).parents[2] / "benchmarks" / "data" / "mooncake_conversation.jsonl.gz"
-)
+CONVERSATION = Path(__file__).parents[2] / "benchmarks" / "data" / "mooncake_conversation.jsonl.gz"
 
 
 def _lines(path: Path) -> list[dict[str, object]]:

@@ -396,6 +396,49 @@ def test_same_answer_through_token_generation(
     _assert_same_answer(name, vllm_api_server[0], wasma_tokens_url)
 
 
+def _spanning_stop(server: str, path: str, body: dict[str, Any]) -> str:
+    """A stop string of the server's own greedy stream that begins in one event and ends
+    in a later one, at its first occurrence: one of the answer's token boundaries."""
+    with httpx.Client(timeout=120) as client:
+        events = _send(client, server, path, {**body, "stream": True}).text.splitlines()
+    pieces = []
+    for line in events:
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            for choice in json.loads(line[5:])["choices"]:
+                text = choice.get("text", choice.get("delta", {}).get("content"))
+                if text:
+                    pieces.append(text)
+    full = "".join(pieces)
+    at = 0
+    for piece in pieces[:-1]:
+        at += len(piece)
+        for length in (4, 3, 2):
+            stop = full[at - 1 : at - 1 + length]
+            if len(stop) == length and full.find(stop) == at - 1 and stop.strip():
+                return stop
+    pytest.skip(f"no stop string spans two events of {pieces!r}")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_stop_string_spanning_events_is_held_back_as_vllm_does(
+    kind: str, include: bool, vllm_api_server: tuple[str, str], wasma_tokens_url: str
+) -> None:
+    """Through token generation the gateway derenders the stream itself: a stop string
+    that began in an earlier event is not half sent (vLLM's detokenizer holds back the
+    last characters that may begin one), and the stream's text ends where vLLM's does."""
+    server = vllm_api_server[0]
+    path, body = chat(max_tokens=16) if kind == "chat" else comp(max_tokens=16)
+    stop = _spanning_stop(server, path, body)
+    body = {**body, "stream": True, "stop": [stop], "include_stop_str_in_output": include}
+    with httpx.Client(timeout=120) as client:
+        direct = _answer(_send(client, server, path, body))
+        through = _answer(_send(client, wasma_tokens_url, path, body))
+    assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
+        direct, indent=1, sort_keys=True
+    ), stop
+
+
 def test_placement_hashes_the_ids_the_engine_caches(
     vllm_api_server: tuple[str, str], wasma_url: str
 ) -> None:
