@@ -21,6 +21,7 @@ the others (embeddings, tokenize, count_tokens...) are left to Serve's own pick.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -86,8 +87,14 @@ def workflow_router_kwargs(deployment_config: Mapping[str, Any]) -> dict[str, An
         config = RequestRouterConfig(**config)
     if not isinstance(config, RequestRouterConfig):
         return None
+    # By its import path: the class Serve cloudpickled with the config may come back as a
+    # copy made by value, which is no subclass of this module's `WorkflowRouter`.
+    path = config.request_router_class
+    if not isinstance(path, str):
+        path = f"{path.__module__}.{path.__qualname__}"
+    module, _, name = path.replace(":", ".").rpartition(".")
     try:
-        cls = config.get_request_router_class()
+        cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return None
     if not (isinstance(cls, type) and issubclass(cls, WorkflowRouter)):

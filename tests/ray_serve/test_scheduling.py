@@ -438,3 +438,24 @@ def test_a_replicas_vllm_kv_events_feed_the_index() -> None:
         assert st.kv_index()["r0"] == {"blocks": 0}
     finally:
         publisher.shutdown()
+
+
+def test_a_replica_finds_its_routers_kwargs_in_its_deployment_config() -> None:
+    """`WasmaLLMServer` reads the state's settings from `request_router_config`, as Serve
+    gives it to a replica: the config object or, from a config file, its fields; any
+    other router means no KV subscription."""
+    from ray.serve.config import RequestRouterConfig
+
+    from wasma.ray_serve.router import WorkflowRouter, workflow_router_kwargs
+
+    kwargs = {"policy": "wasma", "state_name": "WasmaScheduling::tiny"}
+    config = RequestRouterConfig(request_router_class=WorkflowRouter, request_router_kwargs=kwargs)
+    assert workflow_router_kwargs({"request_router_config": config}) == kwargs
+    fields = {
+        "request_router_class": "wasma.ray_serve.router.WorkflowRouter",
+        "request_router_kwargs": kwargs,
+    }
+    assert workflow_router_kwargs({"request_router_config": fields}) == kwargs
+    other = {"request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+    assert workflow_router_kwargs({"request_router_config": other}) is None
+    assert workflow_router_kwargs({}) is None
