@@ -6,9 +6,9 @@
   `prompt_tokens_details.cached_tokens` when started with `--enable-prompt-tokens-details`);
 - load: `/metrics` scraped every `scrape_interval_s` into `EngineStats`;
 - KV events: the server's ZMQ publisher (`--kv-events-config`), msgpack `KVEventBatch`es,
-  re-keyed by wasma chain hashes over their token ids (the translator `wasma.engines.vllm_engine`
-  uses for in-process engines), so the cluster prefix index matches what the router
-  hashes, without knowing the server's hash seed (Dynamo's approach).
+  decoded and re-keyed by wasma chain hashes over their token ids by `kv_events` (as for
+  in-process engines), so the cluster prefix index matches what the router hashes,
+  without knowing the server's hash seed (Dynamo's approach).
 """
 
 from __future__ import annotations
@@ -36,43 +36,10 @@ from wasma.engines.base import (
     deliver_kv_events,
     start_or_close,
 )
-from wasma.engines.vllm_engine import KVEventTranslator
+from wasma.engines.kv_events import KVEventFeed
 from wasma.engines.vllm_metrics import VllmMetrics, VllmMetricsParser, parse_vllm_metrics
 
 log = logging.getLogger(__name__)
-
-
-# -- vLLM's KV event wire format (vllm/distributed/kv_events.py), mirrored so the router
-#    can decode it without importing vLLM. Unknown fields are ignored, so newer servers
-#    that add fields still decode.
-
-
-class _KVEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class BlockStored(_KVEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-class BlockRemoved(_KVEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None = None
-
-
-class AllBlocksCleared(_KVEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
 
 
 # -- the streamed completion events, decoded into just the fields the router reads. vLLM's
@@ -192,13 +159,11 @@ class OpenAIEngine(EngineClient):
         self._request_timeout_s = request_timeout_s
         self._headers = headers
         self._sinks: list[KVEventSink] = []
-        self._translator = KVEventTranslator(name, self.block_size)
-        self._kv_seq: int | None = None  # the last KV event batch's sequence number
+        self._feed = KVEventFeed(name, self.block_size)
         self._metric_prefixes = _metric_prefixes()
         self._last: VllmMetrics | None = None
         self._last_ok = 0.0
         self._tasks: list[asyncio.Task[None]] = []
-        self.events_received = 0
         self.tokens_api = tokens_api
 
     # -- lifecycle -------------------------------------------------------------------
@@ -222,7 +187,7 @@ class OpenAIEngine(EngineClient):
             if not self._fixed_block_size and self._last.block_size_tokens:
                 # The server's block size decides how its KV events chain tokens.
                 self.block_size = self._last.block_size_tokens
-                self._translator = KVEventTranslator(self.name, self.block_size)
+                self._feed = KVEventFeed(self.name, self.block_size)
             if self._last.num_gpu_blocks:
                 self.num_kv_blocks = self._last.num_gpu_blocks
         loop = asyncio.get_running_loop()
@@ -341,19 +306,12 @@ class OpenAIEngine(EngineClient):
     def handle_kv_payload(self, payload: bytes, seq: int | None = None) -> None:
         """Decode one published batch and hand its translated events to the sinks.
         `seq` is the batch's sequence number where the publisher sends one."""
-        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
-        if seq is not None:
-            if self._kv_seq is not None and seq <= self._kv_seq:
-                # Numbering went back: the server restarted (ZMQ reconnected by itself)
-                # with an empty cache, and never sent removals for the blocks it had.
-                # Without this its blocks would look cached twice, and the same blocks
-                # stored again would be taken for second copies and never announced.
-                log.info("engine %s: KV events restarted at %d; cache cleared", self.name, seq)
-                self._deliver(self._translator.clear())
-            self._kv_seq = seq
-        for event in batch.events:
-            self.events_received += 1
-            self._deliver(self._translator.translate(event))
+        self._deliver(self._feed.payload(payload, seq))
+
+    @property
+    def events_received(self) -> int:
+        """vLLM KV events decoded from this server."""
+        return self._feed.events_received
 
     def _deliver(self, events: list[KVEvent]) -> None:
         deliver_kv_events(self.name, self._sinks, events)
@@ -369,13 +327,7 @@ class OpenAIEngine(EngineClient):
         sock.connect(endpoint)
         try:
             while True:
-                frames = await sock.recv_multipart()
-                # (topic, sequence number, payload); older publishers send (topic, payload).
-                seq = int.from_bytes(frames[1], "big") if len(frames) >= 3 else None
-                try:
-                    self.handle_kv_payload(frames[-1], seq)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("engine %s: undecodable KV event batch: %s", self.name, exc)
+                self._deliver(self._feed.frames(await sock.recv_multipart()))
         finally:
             sock.close(linger=0)
             ctx.term()

@@ -5,17 +5,17 @@ Three streams come out of vLLM and are turned into wasma's contracts:
   so the router and the engine agree on every token), streamed as `TokenChunk`s;
 - load: a `StatLoggerBase` handed to vLLM receives the scheduler's stats after each step
   (running/waiting, KV usage, prefix-cache query/hit deltas);
-- KV events: vLLM publishes `KVEventBatch`es over ZMQ; we re-key each stored block by
-  wasma's own chain hash (`hash_token_blocks` over the event's token ids, chained from the
-  parent's wasma hash) so the cluster prefix index matches what the router computes for
-  the same tokens without knowing vLLM's hash seed or algorithm (Dynamo's approach).
+- KV events: vLLM publishes `KVEventBatch`es over ZMQ to a socket we bind; `kv_events`
+  re-keys each stored block by wasma's own chain hash (`hash_token_blocks` over the
+  event's token ids, chained from the parent's wasma hash) so the cluster prefix index
+  matches what the router computes for the same tokens without knowing vLLM's hash seed
+  or algorithm (Dynamo's approach).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import socket
 import tempfile
@@ -24,12 +24,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats, KVEvent
-from wasma.core.tokens import ROOT_HASH, hash_token_blocks
+from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
     EngineClient,
     GenerateRequest,
@@ -38,11 +36,10 @@ from wasma.engines.base import (
     deliver_kv_events,
     start_or_close,
 )
+from wasma.engines.kv_events import KVEventFeed, KVEventTranslator, bind_subscriber
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
-
-log = logging.getLogger(__name__)
 
 # wasma.engines.vllm_retention.WasmaScheduler, named here so that this module does not import
 # vLLM before an engine starts (the engine core resolves the name).
@@ -169,152 +166,6 @@ def _stat_logger_factory(box: _LatestStats) -> Any:
     return WasmaStatLogger
 
 
-class KVEventTranslator:
-    """Re-keys vLLM KV events by wasma chain hashes.
-
-    vLLM's block hashes depend on its hash algorithm and seed; wasma's router hashes token
-    ids with `hash_token_blocks`. A stored block's wasma hash is the chain over its token
-    ids from its parent's wasma hash, so we keep engine-hash -> wasma-hash for blocks
-    the engine holds. vLLM may cache the same content in two blocks (computed twice
-    concurrently) and then evicts each copy separately, so entries are reference counted
-    and wasma hears of a removal only when the last copy goes."""
-
-    def __init__(self, engine: str, block_size: int) -> None:
-        self.engine = engine
-        self.block_size = block_size
-        self._map: dict[Any, list[int]] = {}  # engine hash -> [wasma hash, copies]
-        # The same for each offloading tier (KV events of medium "CPU", ...): vLLM's
-        # offloading connector names a block by its GPU block hash.
-        self._tiers: dict[str, dict[Any, list[int]]] = {}
-        self.untranslated = 0  # stored blocks whose parent we never saw
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def translate(self, event: Any) -> list[KVEvent]:
-        name = type(event).__name__
-        medium = getattr(event, "medium", None)
-        if medium is not None and medium.upper() != "GPU" and name != "AllBlocksCleared":
-            return self._translate_tier(name, event, medium.upper())
-        if name == "BlockStored":
-            return self._stored(event)
-        if name == "BlockRemoved":
-            gone: list[int] = []
-            for h in event.block_hashes:
-                entry = self._map.get(h)
-                if entry is None:
-                    continue
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._map[h]
-                    gone.append(entry[0])
-            return [BlockRemoved(self.engine, tuple(gone))] if gone else []
-        if name == "AllBlocksCleared":
-            return self.clear()
-        return []
-
-    def clear(self) -> list[KVEvent]:
-        self._map.clear()
-        self._tiers.clear()
-        return [AllBlocksCleared(self.engine)]
-
-    def _translate_tier(self, name: str, event: Any, medium: str) -> list[KVEvent]:
-        """An offloading tier's event, re-keyed as GPU events are and kept apart."""
-        tier = self._tiers.setdefault(medium, {})
-        if name == "BlockRemoved":
-            gone: list[int] = []
-            for h in event.block_hashes:
-                entry = tier.get(h)
-                if entry is None:
-                    continue
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del tier[h]
-                    gone.append(entry[0])
-            return [BlockRemoved(self.engine, tuple(gone), medium)] if gone else []
-        if name != "BlockStored":
-            return []
-
-        def known(h: Any) -> int | None:
-            entry = tier.get(h) or self._map.get(h)
-            return None if entry is None else entry[0]
-
-        bs = event.block_size or self.block_size
-        tokens = list(event.token_ids)
-        parent_engine = event.parent_block_hash
-        wasma: list[int | None]
-        parent: int | None = None
-        if tokens:
-            if parent_engine is None:
-                root: int | None = ROOT_HASH
-            else:
-                root = parent = known(parent_engine)
-            if root is None:
-                self.untranslated += len(event.block_hashes)
-                return []
-            wasma = list(hash_token_blocks(tokens, bs, root)[: len(event.block_hashes)])
-        else:
-            # A placeholder without content: only a block the engine reported on GPU
-            # (or this tier) before can be named.
-            wasma = [known(h) for h in event.block_hashes]
-        stored: list[int] = []
-        for h, w in zip(event.block_hashes, wasma, strict=False):
-            if w is None:
-                self.untranslated += 1
-                continue
-            entry = tier.get(h)
-            if entry is None:
-                tier[h] = [w, 1]
-            else:
-                entry[1] += 1
-            stored.append(w)
-        return [BlockStored(self.engine, tuple(stored), parent, medium)] if stored else []
-
-    def _stored(self, event: Any) -> list[KVEvent]:
-        bs = event.block_size or self.block_size
-        parent_engine = event.parent_block_hash
-        if parent_engine is None:
-            parent = ROOT_HASH
-        else:
-            entry = self._map.get(parent_engine)
-            if entry is None:
-                # Events from before we subscribed (or dropped by ZMQ's high-water mark):
-                # without the parent's tokens the chain cannot be rebuilt.
-                self.untranslated += len(event.block_hashes)
-                return []
-            parent = entry[0]
-        tokens = list(event.token_ids)
-        wasma = hash_token_blocks(tokens, bs, parent)
-        if len(wasma) != len(event.block_hashes):
-            log.warning(
-                "engine %s: BlockStored with %d hashes but %d tokens of block size %d",
-                self.engine,
-                len(event.block_hashes),
-                len(tokens),
-                bs,
-            )
-            wasma = wasma[: len(event.block_hashes)]
-        new: list[int] = []
-        for h, w in zip(event.block_hashes, wasma, strict=False):
-            entry = self._map.get(h)
-            if entry is None:
-                self._map[h] = [w, 1]
-                new.append(w)
-            else:
-                entry[1] += 1
-        if not new:
-            return []
-        # Report the whole run even if a middle block was a duplicate: the index keys
-        # blocks by hash, so re-adding a known one is harmless and keeps the chain whole.
-        return [
-            BlockStored(
-                self.engine,
-                tuple(wasma),
-                None if parent_engine is None else parent,
-            )
-        ]
-
-
 class VLLMEngine(EngineClient):
     """One in-process vLLM engine (its EngineCore runs in a child process).
 
@@ -329,7 +180,7 @@ class VLLMEngine(EngineClient):
         self._llm: AsyncLLM | None = None
         self._stats = _LatestStats()
         self._sinks: list[KVEventSink] = []
-        self._translator = KVEventTranslator(name, config.block_size)
+        self._feed = KVEventFeed(name, config.block_size)
         self._zmq: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._events_task: asyncio.Task[None] | None = None
@@ -367,15 +218,10 @@ class VLLMEngine(EngineClient):
         kv_events: KVEventsConfig | None = None
         if cfg.kv_events:
             # We bind the SUB side on a free port first and let vLLM's publisher connect
-            # to it (a non-wildcard tcp endpoint makes vLLM connect, not bind): no port
-            # race between picking a port and vLLM binding it.
+            # to it: no port race between picking a port and vLLM binding it.
             self._zmq = zmq.asyncio.Context()
             self._sub = self._zmq.socket(zmq.SUB)
-            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop: a gap breaks hash chains
-            self._sub.bind("tcp://127.0.0.1:0")
-            port = int(self._sub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            self.kv_events_endpoint = f"tcp://127.0.0.1:{port}"
+            self.kv_events_endpoint = bind_subscriber(self._sub)
             kv_events = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=self.kv_events_endpoint
             )
@@ -580,7 +426,7 @@ class VLLMEngine(EngineClient):
         clearing twice is harmless."""
         ok = bool(await self._engine().reset_prefix_cache())
         if ok and self.config.kv_events:
-            self._deliver(self._translator.clear())
+            self._deliver(self._feed.translator.clear())
         return ok
 
     # -- KV events -------------------------------------------------------------------
@@ -591,25 +437,13 @@ class VLLMEngine(EngineClient):
 
     @property
     def kv_translator(self) -> KVEventTranslator:
-        return self._translator
+        return self._feed.translator
 
     async def _pump_events(self) -> None:
-        from vllm.distributed.kv_events import KVEventBatch
-
         assert self._sub is not None
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         sub = self._sub
         while True:
-            frames = await sub.recv_multipart()
-            if len(frames) != 3:
-                continue
-            try:
-                batch = decoder.decode(frames[2])
-            except msgspec.DecodeError:
-                log.exception("engine %s: undecodable KV event batch", self.name)
-                continue
-            for raw in batch.events:
-                self._deliver(self._translator.translate(raw))
+            self._deliver(self._feed.frames(await sub.recv_multipart()))
 
     def _deliver(self, events: list[KVEvent]) -> None:
         deliver_kv_events(self.name, self._sinks, events)

@@ -21,12 +21,14 @@ the others (embeddings, tokenize, count_tokens...) are left to Serve's own pick.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
+from ray.serve._private.common import DeploymentID
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.request_router import (
     PendingRequest,
@@ -42,6 +44,62 @@ logger = logging.getLogger("ray.serve")
 # Ray runs the shared state as an actor with no CPU of its own (like Ray's prefix tree):
 # it must not take a core from the replicas' placement groups.
 SchedulingActor = ray.remote(num_cpus=0)(SchedulingState)
+
+
+def scheduling_actor(
+    deployment: DeploymentID,
+    policy: str = "wasma",
+    profile: str = "tiny-cpu",
+    model: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    block_size: int | None = None,
+    state_name: str | None = None,
+    state_actor: ActorHandle | None = None,
+    frontend: Mapping[str, Any] | None = None,
+) -> Any:
+    """The `SchedulingActor` of `deployment`, from `WorkflowRouter`'s kwargs: `state_actor`
+    where given, else the one named `state_name` (by default after the deployment),
+    created with these settings if it does not run yet (by the first ingress router or
+    `WasmaLLMServer` replica to ask) and stopped by `serve.shutdown`. Typed Any: its
+    methods are Ray's remote wrappers."""
+    if state_actor is not None:
+        return state_actor
+    name = state_name or f"WasmaScheduling::{deployment.app_name}::{deployment.name}"
+    state = SchedulingActor.options(
+        name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote(policy, profile, model, dict(params or {}), block_size, dict(frontend or {}))
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller._register_shutdown_cleanup_actor.remote(state)
+    except ValueError:  # no Serve controller (a router built outside Serve)
+        pass
+    return state
+
+
+def workflow_router_kwargs(deployment_config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The `request_router_kwargs` of a deployment routed by `WorkflowRouter` (or a
+    subclass), None for any other router. `request_router_config` is Serve's
+    `RequestRouterConfig` or, from a config file, its fields."""
+    from ray.serve.config import RequestRouterConfig
+
+    config = deployment_config.get("request_router_config")
+    if isinstance(config, Mapping):
+        config = RequestRouterConfig(**config)
+    if not isinstance(config, RequestRouterConfig):
+        return None
+    # By its import path: the class Serve cloudpickled with the config may come back as a
+    # copy made by value, which is no subclass of this module's `WorkflowRouter`.
+    path = config.request_router_class
+    if not isinstance(path, str):
+        path = f"{path.__module__}.{path.__qualname__}"
+    module, _, name = path.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, WorkflowRouter)):
+        return None
+    return dict(config.request_router_kwargs or {})
 
 
 # The server methods wasma places, and the kind of request each one's body is.
@@ -111,20 +169,17 @@ class WorkflowRouter(RequestRouter):
         state_actor: ActorHandle | None = None,
         frontend: Mapping[str, Any] | None = None,
     ) -> None:
-        # The actor's handle (typed Any: its methods are Ray's remote wrappers).
-        self._state: Any = state_actor
-        if state_actor is not None:
-            return
-        dep = self._deployment_id
-        name = state_name or f"WasmaScheduling::{dep.app_name}::{dep.name}"
-        self._state = SchedulingActor.options(
-            name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached"
-        ).remote(policy, profile, model, dict(params or {}), block_size, dict(frontend or {}))
-        try:
-            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-            controller._register_shutdown_cleanup_actor.remote(self._state)
-        except ValueError:  # no Serve controller (a router built outside Serve)
-            pass
+        self._state: Any = scheduling_actor(
+            self._deployment_id,
+            policy,
+            profile,
+            model,
+            params,
+            block_size,
+            state_name,
+            state_actor,
+            frontend,
+        )
 
     async def choose_replicas(
         self,
@@ -174,3 +229,11 @@ class WorkflowRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._state.replica_died.remote(replica_id.to_full_id_str())
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set: a replica it no longer lists (dead as its controller
+        found, or scaled down) is dropped from the state, with its KV subscription."""
+        gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self._state.replica_died.remote(replica_id.to_full_id_str())

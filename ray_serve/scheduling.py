@@ -8,11 +8,13 @@ the workflow registry, the prefix index and the engines' loads live here, in one
 
 Prompts are placed on token blocks, as everywhere in wasma: the state renders a chat or
 completion request with vLLM's own renderer over the model's tokenizer and chat template
-(the ids the replica's engine will cache, tools and all), hashes its full blocks with the
-chain hash the gateway uses (`core.tokens.hash_token_blocks`) and, once a replica
-is chosen, records those blocks as that replica's (the replica will hold them once it
-runs the prompt; vLLM's prefix cache keeps them). Replicas are engines named by their
-Serve replica id; the set follows what Serve offers each decision.
+(the ids the replica's engine will cache, tools and all) and hashes its full blocks with
+the chain hash the gateway uses (`core.tokens.hash_token_blocks`). The prefix index is fed
+by the replicas' own vLLM KV events, as the gateway's is: each `WasmaLLMServer` replica
+asks for a KV event endpoint before its engine starts (`kv_events_endpoint`), the state
+subscribes there (`kv_feeds.ReplicaKVFeeds`) and re-keys what the engine stores, evicts
+and clears by the same chain hash (`engines.kv_events`). Replicas are engines named by
+their Serve replica id; the set follows what Serve offers each decision.
 
 Responses and Messages requests are rendered as vLLM's serving classes render them
 (Responses: `instructions` and `input`, with the stored conversation of a
@@ -37,6 +39,7 @@ from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.api import ApiAnswer, Rendered, parse_request, render
 from wasma.deploy.frontend import Frontend, FrontendOptions
 from wasma.deploy.metadata import MetadataError, workflow_identity
+from wasma.ray_serve.kv_feeds import ReplicaKVFeeds
 from wasma.scheduler.dispatch import ANONYMOUS_PREFIX, Dispatcher, DispatcherConfig
 
 # Decisions remembered for the ingress to read back (x-wasma-engine): far more than are
@@ -116,6 +119,9 @@ class SchedulingState:
         self.policy_name = policy
         self._profile = prof
         self._params = dict(params or {})
+        # The replicas' KV event subscriptions (opened as replicas ask for them); they
+        # outlive `forget`, as the replicas and their engines do.
+        self._kv_feeds: ReplicaKVFeeds | None = None
         self.forget()
 
     def forget(self) -> None:
@@ -137,26 +143,57 @@ class SchedulingState:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._last_seen: dict[str, float] = {}
         self._t0 = time.monotonic()
+        # The replicas Serve offered the last decision.
+        self._offered: set[str] = set()
+        if self._kv_feeds is not None:
+            # Subscribed replicas stay known to the new index: their events keep coming.
+            self._add_replicas(list(self._kv_feeds.endpoints()))
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
-    def _sync_replicas(self, candidates: Sequence[str]) -> None:
+    def _add_replicas(self, names: Sequence[str]) -> None:
         state = self.ctx.state
         known = set(state.engines)
-        added = [c for c in candidates if c not in known]
+        added = [c for c in dict.fromkeys(names) if c not in known]
         for name in added:
             state.add_engine(name)
             self.ctx.index.add_engine(name)
             self.ctx.inflight.add_engine(name)
             self.ctx.cpu_index.add_engine(name)
+            if name not in self._offered:
+                # Known before Serve offers it (it subscribed while its engine started).
+                state.set_healthy(state.slot(name), False)
         if added:
             # Policies size their per-engine state when built: rebuild on a new replica
             # (the event-fed state, loads and workflows, lives in the context and stays).
             self.router.policy = self.dispatch.registry.create(self.policy_name, self.ctx)
-        offered = set(candidates)
+
+    def _sync_replicas(self, candidates: Sequence[str]) -> None:
+        self._offered = set(candidates)
+        self._add_replicas(candidates)
+        state = self.ctx.state
         for slot, load in enumerate(state.loads):
-            state.set_healthy(slot, load.name in offered)
+            state.set_healthy(slot, load.name in self._offered)
+
+    def kv_events_endpoint(self, replica: str) -> str:
+        """The ZMQ endpoint replica `replica`'s vLLM publishes its KV events to (bound
+        here, on this state's node, for that replica alone). A replica asks once, before
+        its engine starts; asking again means a new engine, with a fresh feed."""
+        if self._kv_feeds is None:
+            self._kv_feeds = ReplicaKVFeeds(self.block_size, _node_address())
+        elif replica in self._kv_feeds:
+            self.ctx.index.remove_engine_blocks(replica)
+        endpoint = self._kv_feeds.open(replica)
+        self._add_replicas([replica])
+        return endpoint
+
+    def _apply_kv_events(self) -> None:
+        """What the replicas published since the last call, into the index."""
+        if self._kv_feeds is None:
+            return
+        for event in self._kv_feeds.drain():
+            self.dispatch.on_kv_event(event)
 
     def place(
         self,
@@ -173,6 +210,7 @@ class SchedulingState:
         workflow metadata raises `MetadataError`."""
         if not candidates:
             return None
+        self._apply_kv_events()
         known = self._by_internal.get(internal_id)
         if known is not None and (d := self._decisions.get(known)) is not None:
             if d.replica in candidates:
@@ -229,8 +267,14 @@ class SchedulingState:
         # Serve has already chosen to send the request now: it is never held here.
         placement = self.dispatch.place(info, now, force=True).placement
         replica = self.ctx.state.loads[placement.engine].name
-        if hashes:
-            # The replica prefills these blocks and vLLM's prefix cache keeps them.
+        if hashes and (self._kv_feeds is None or replica not in self._kv_feeds):
+            # A replica that publishes no KV events (Ray's own `LLMServer` under this
+            # router): the index's only feed is this placement (the replica prefills
+            # these blocks and vLLM's prefix cache keeps them; evictions go unseen). A
+            # subscribed replica needs no such hint for the moments before its engine
+            # reports them: policies that read `ctx.inflight` (wasma's) count the prompt
+            # there until the request completes, and the rest see what they see behind
+            # the gateway, the engines' events alone.
             self.dispatch.on_kv_event(BlockStored(replica, tuple(hashes), None))
         decision = Decision(replica, placement.kind.value, wkey, node, request_id)
         self._remember(request_id, internal_id, decision)
@@ -314,6 +358,10 @@ class SchedulingState:
     def completed(self, internal_id: str) -> None:
         """Serve finished (or failed) a request: its load leaves the replica, and its
         workflow's children may now follow it."""
+        # vLLM publishes a step's KV events before its outputs, so the request's blocks
+        # have (all but always) arrived: the index holds them before its in-flight
+        # count goes.
+        self._apply_kv_events()
         request_id = self._by_internal.pop(internal_id, None)
         if request_id is None:
             return
@@ -327,9 +375,39 @@ class SchedulingState:
         self._last_seen[d.workflow_id] = self.now()
 
     def replica_died(self, replica: str) -> None:
+        """Serve lost replica `replica` (its actor died, or it left the deployment): no
+        more decisions for it, its blocks out of the index, its KV subscription closed."""
+        self._apply_kv_events()
+        if self._kv_feeds is not None:
+            self._kv_feeds.close(replica)
+        self._offered.discard(replica)
         if replica in self.ctx.state.engines:
             self.ctx.state.set_healthy(self.ctx.state.slot(replica), False)
             self.ctx.index.remove_engine_blocks(replica)
+
+    def kv_index(self) -> dict[str, dict[str, int]]:
+        """Per replica, what the prefix index holds and what its KV events said: `blocks`
+        in the index; for a subscribed replica also vLLM `events` received, wasma blocks
+        `stored` and `removed`, caches `cleared` and blocks left `untranslated` (their
+        chain's parent never arrived). For tests and dashboards."""
+        self._apply_kv_events()
+        index = self.ctx.index
+        out = {name: {"blocks": index.blocks_per_engine[i]} for i, name in enumerate(index.engines)}
+        counts = self._kv_feeds.counts() if self._kv_feeds is not None else {}
+        for name, feed in counts.items():
+            out.setdefault(name, {"blocks": 0}).update(feed)
+        return out
+
+    def cached_blocks(self, body: Mapping[str, Any], kind: str | None = None) -> dict[str, int]:
+        """Per replica, how many of this request's full prompt blocks the prefix index
+        says it holds, from the first (what its vLLM would hit)."""
+        self._apply_kv_events()
+        prompt = self._render(body, kind)
+        if prompt is None:
+            return {}
+        hashes = hash_token_blocks(prompt.token_ids, self.block_size)
+        index = self.ctx.index
+        return dict(zip(index.engines, index.match(hashes), strict=True))
 
     def decision_us(self) -> dict[str, float]:
         """p50 and p99 of the policy's own decision time (µs), for the router's budget."""
@@ -346,6 +424,16 @@ class SchedulingState:
         """Outstanding requests per replica, as the state counts them (for tests and
         dashboards)."""
         return {load.name: load.outstanding for load in self.ctx.state.loads}
+
+
+def _node_address() -> str:
+    """An address of this process's node that every replica's node reaches: Ray's node
+    IP under Ray, the loopback outside it (a state driven in-process)."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
 
 async def render_responses(

@@ -10,6 +10,11 @@ to those objects and answers as vLLM's routes do (`vllm/entrypoints/openai/respo
 api_router.py`, `vllm/entrypoints/anthropic/api_router.py`): a whole answer's JSON and
 status, or a stream of the SSE events vLLM sends, in batches as `LLMServer` streams chat.
 
+Before its engine starts, a replica routed by `WorkflowRouter` asks the deployment's
+scheduling state for a KV event endpoint of its own and points its vLLM publisher there
+(`kv_events_config`), so the state's prefix index hears what this engine caches and
+evicts (see `kv_feeds`).
+
 Each method takes the request body as the client sent it (a JSON object; the ingress has
 already checked it against vLLM's protocol class) and the raw request's headers, and is
 an async generator: first item `Whole` (an answer or an error, never followed by more),
@@ -60,6 +65,37 @@ def _exception(exc: Exception, anthropic: bool) -> Whole:
 class WasmaLLMServer(LLMServer):
     """`LLMServer` plus `responses` (and `retrieve_responses`, `cancel_responses` on
     this replica's store), `anthropic_messages` and `count_tokens`."""
+
+    async def start(self) -> None:
+        await self._publish_kv_events()
+        await super().start()
+
+    async def _publish_kv_events(self) -> None:
+        """Point this replica's vLLM KV event publisher at the socket its scheduling
+        state binds for it (replicas share `engine_kwargs`, so each sets its own
+        endpoint here, on its own copy of the config). Not for a deployment another
+        router routes, nor an engine that caches no prefixes or was told to publish none."""
+        from ray import serve
+
+        from wasma.ray_serve.router import scheduling_actor, workflow_router_kwargs
+
+        cfg = self._llm_config
+        kwargs = workflow_router_kwargs(cfg.deployment_config or {})
+        own = dict(cfg.engine_kwargs.get("kv_events_config") or {})
+        if (
+            kwargs is None
+            or cfg.engine_kwargs.get("enable_prefix_caching") is False
+            or own.get("enable_kv_cache_events") is False
+        ):
+            return
+        replica = serve.get_replica_context().replica_id
+        state = scheduling_actor(replica.deployment_id, **kwargs)
+        endpoint = await state.kv_events_endpoint.remote(replica.to_full_id_str())
+        # A replay socket would be one port for every replica: none (the state is
+        # subscribed before the engine publishes anything).
+        own.pop("replay_endpoint", None)
+        own.update(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+        cfg.update_engine_kwargs(kv_events_config=own)
 
     def _serving(self, name: str) -> Any:
         """The replica's vLLM serving object `name` (None where the engine built none:

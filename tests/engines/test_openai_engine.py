@@ -15,18 +15,10 @@ import pytest
 from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from wasma.core.tokens import hash_token_blocks
 from wasma.engines.base import GenerateRequest, TokenChunk
-from wasma.engines.openai_engine import (
-    BlockRemoved as WireRemoved,
-)
-from wasma.engines.openai_engine import (
-    BlockStored as WireStored,
-)
-from wasma.engines.openai_engine import (
-    KVEventBatch,
-    OpenAIEngine,
-    RemoteEngineError,
-    url_host,
-)
+from wasma.engines.kv_events import KVEventBatch
+from wasma.engines.kv_events import WireBlockRemoved as WireRemoved
+from wasma.engines.kv_events import WireBlockStored as WireStored
+from wasma.engines.openai_engine import OpenAIEngine, RemoteEngineError, url_host
 
 BS = 32
 METRICS = """\

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 PORT = 18532
+BLOCK = 32
+KV_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,15 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         deployment_config={"num_replicas": 2},
         placement_group_config={"bundles": [{"CPU": 2}]},
         engine_kwargs={
-            "block_size": 32,
+            "block_size": BLOCK,
             "max_model_len": 2048,
             "enforce_eager": True,
             "enable_prefix_caching": True,
             "max_num_seqs": 16,
+            # A small KV pool (8192 tokens a replica; the largest request here needs
+            # 64 blocks), so a few long prompts evict: VLLM_CPU_KVCACHE_SPACE's 1 GiB
+            # holds ~500k of the tiny model's tokens.
+            "num_gpu_blocks_override": KV_BLOCKS,
         },
         runtime_env={"env_vars": env},
     )
@@ -324,6 +330,63 @@ def test_messages_through_the_anthropic_sdk(serve_url: str) -> None:
     )
     assert meta.status_code == 400, meta.text
     assert meta.json()["type"] == "error" and "workflow" in meta.json()["error"]["message"]
+
+
+def _until(pred: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.2)
+
+
+def test_the_index_holds_what_the_replicas_kv_events_report(serve_url: str) -> None:
+    """The scheduling state's prefix index is fed by each replica's own vLLM KV events
+    (the placement adds nothing for a replica that publishes them): after a request is
+    served, its replica's events have put the prompt's full blocks there, and none on
+    the other replica; once later prompts fill that replica's small KV pool, vLLM's
+    evictions take the prompt's blocks out again, and the index never holds more of
+    the replica's blocks than its pool has."""
+    import ray
+
+    state = ray.get_actor("WasmaScheduling::tiny", namespace="serve")
+    words = doc("kvprobe", 60)
+    probe = {"model": "tiny", "messages": [{"role": "user", "content": words}]}
+    wid = f"wf-{uuid.uuid4().hex[:8]}"
+    r = chat(serve_url, words, {"x-wasma-workflow-id": wid, "x-wasma-node-id": "probe"})
+    assert r.status_code == 200, r.text
+    replica = r.headers["x-wasma-engine"]
+    full = r.json()["usage"]["prompt_tokens"] // BLOCK
+    assert full >= 8
+
+    def cached() -> dict[str, int]:
+        out: dict[str, int] = ray.get(state.cached_blocks.remote(probe, "chat"))
+        return out
+
+    _until(lambda: cached().get(replica) == full, "the probe's blocks in the index")
+    assert {n for name, n in cached().items() if name != replica} == {0}
+    before = ray.get(state.kv_index.remote())[replica]
+    assert before["events"] > 0 and before["stored"] >= full, before
+    assert 0 < before["blocks"] <= KV_BLOCKS, before
+
+    # Children sharing the probe's first words (so its replica serves them, with that
+    # prefix hit and kept), each ~38 blocks of its own: the pool turns over.
+    head = " ".join(words.split()[:10])
+    for k in range(30):
+        c = chat(
+            serve_url,
+            f"{head} {doc(f'f{k}w', 220)}",
+            {"x-wasma-workflow-id": wid, "x-wasma-node-id": f"fill{k}", "x-wasma-parents": "probe"},
+            1,
+        )
+        assert c.status_code == 200, c.text
+        if cached().get(replica, full) < full:
+            break
+    after = ray.get(state.kv_index.remote())[replica]
+    assert after["removed"] > before["removed"], after
+    assert cached()[replica] < full
+    assert 0 < after["blocks"] <= KV_BLOCKS, after
+    assert after["untranslated"] == 0, after
 
 
 def test_a_replica_killed_mid_request_is_retried_elsewhere(serve_url: str) -> None:

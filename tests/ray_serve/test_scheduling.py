@@ -3,6 +3,7 @@ decisions Serve gets back for workflows, unrelated requests, retries and dead re
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -349,3 +350,112 @@ def test_request_parts_by_call_kind() -> None:
     # count_tokens carries messages but generates nothing: Serve's pick, never placed.
     assert "count_tokens" not in CALL_KINDS
     assert CALL_KINDS["anthropic_messages"] == "messages"
+
+
+def _publish_until_heard(st: SchedulingState, replica: str, publisher: Any, kv: Any) -> None:
+    """Send a harmless batch (a clear, on a replica that holds nothing) until the state
+    has heard one: ZMQ's PUB drops what it sends before the SUB's subscription reaches
+    it (a replica's engine starts long before it publishes; a test publishes at once)."""
+    for _ in range(500):
+        publisher.publish(kv.KVEventBatch(ts=0.0, events=[kv.AllBlocksCleared()]))
+        time.sleep(0.01)
+        if st.kv_index()[replica].get("events", 0):
+            return
+    raise AssertionError(f"{replica}: no KV event arrived")
+
+
+def _until(pred: Any) -> None:
+    for _ in range(500):
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met")
+
+
+def test_a_replicas_vllm_kv_events_feed_the_index() -> None:
+    """A replica that asked for a KV event endpoint is indexed by what its vLLM publisher
+    sends there (vLLM's own publisher and event classes): what it stores, under the
+    state's chain hash of the rendered prompt, then what it evicts; the placement adds
+    nothing for it. A replica that publishes nothing still gets the placement's hint,
+    and a dead replica's subscription goes."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    st = SchedulingState()
+    bs = st.block_size
+    endpoint = st.kv_events_endpoint("r0")
+    assert endpoint.startswith("tcp://") and "*" not in endpoint  # vLLM connects to it
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
+    try:
+        _publish_until_heard(st, "r0", publisher, kv)
+        base = body(doc("kv-"))
+        prompt = st._render(base)
+        assert prompt is not None
+        n = len(prompt.token_ids) // bs
+        assert n >= 3
+        # Placed on r0 (its only candidate): r0 publishes, so the index waits for it.
+        assert st.place(["r0"], "p", "ip", wf("w", "plan"), base) == "r0"
+        assert st.cached_blocks(base) == {"r0": 0}
+        # vLLM's own hashes (any: the state re-keys by the tokens), one block's parent
+        # in an earlier event, as a prefill over two steps publishes them.
+        stored = [
+            kv.BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=parent,
+                token_ids=prompt.token_ids[first * bs : (first + len(hashes)) * bs],
+                block_size=bs,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+            for first, hashes, parent in (
+                (0, [1001, 1002], None),
+                (2, list(range(1003, 1001 + n)), 1002),
+            )
+        ]
+        publisher.publish(kv.KVEventBatch(ts=1.0, events=stored))
+        _until(lambda: st.cached_blocks(base).get("r0") == n)
+        assert st.kv_index()["r0"]["blocks"] == n
+        assert st.kv_index()["r0"]["stored"] == n
+        st.completed("ip")
+        # r1 joins (no KV events of its own): the child still goes where its blocks are.
+        child = body(doc("kv-") + " and more")
+        assert st.place(REPLICAS, "c", "ic", wf("w", "c", "plan"), child) == "r0"
+        assert st.placement_of("c") == ("r0", "reuse")
+        st.completed("ic")
+        # vLLM evicts the last block: the prefix the index holds ends one block earlier.
+        last = 1000 + n
+        publisher.publish(
+            kv.KVEventBatch(ts=2.0, events=[kv.BlockRemoved(block_hashes=[last], medium="GPU")])
+        )
+        _until(lambda: st.cached_blocks(base).get("r0") == n - 1)
+        assert st.kv_index()["r0"]["removed"] == 1
+        # An unrelated prompt on r1, which publishes nothing: the placement is its feed.
+        other = body(doc("r1-only-"))
+        assert st.place(["r1"], "o", "io", wf("w2", "a"), other) == "r1"
+        assert st.cached_blocks(other)["r1"] > 0
+        assert "events" not in st.kv_index()["r1"]
+        # r0 dies: out of the index, its subscription closed.
+        st.replica_died("r0")
+        assert st.kv_index()["r0"] == {"blocks": 0}
+    finally:
+        publisher.shutdown()
+
+
+def test_a_replica_finds_its_routers_kwargs_in_its_deployment_config() -> None:
+    """`WasmaLLMServer` reads the state's settings from `request_router_config`, as Serve
+    gives it to a replica: the config object or, from a config file, its fields; any
+    other router means no KV subscription."""
+    from ray.serve.config import RequestRouterConfig
+
+    from wasma.ray_serve.router import WorkflowRouter, workflow_router_kwargs
+
+    kwargs = {"policy": "wasma", "state_name": "WasmaScheduling::tiny"}
+    config = RequestRouterConfig(request_router_class=WorkflowRouter, request_router_kwargs=kwargs)
+    assert workflow_router_kwargs({"request_router_config": config}) == kwargs
+    fields = {
+        "request_router_class": "wasma.ray_serve.router.WorkflowRouter",
+        "request_router_kwargs": kwargs,
+    }
+    assert workflow_router_kwargs({"request_router_config": fields}) == kwargs
+    other = {"request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+    assert workflow_router_kwargs({"request_router_config": other}) is None
+    assert workflow_router_kwargs({}) is None

@@ -11,7 +11,7 @@ from vllm.distributed.kv_events import BlockStored as VBlockStored
 from wasma.core.events import BlockStored
 from wasma.core.profile import load_profile
 from wasma.core.tokens import hash_token_blocks
-from wasma.engines.vllm_engine import KVEventTranslator
+from wasma.engines.kv_events import KVEventTranslator
 from wasma.scheduler.policy import PolicyContext, RequestInfo
 from wasma.scheduler.prefix_index import PrefixIndex
 from wasma.scheduler.registry import default_registry
