@@ -22,6 +22,8 @@ from itertools import compress, groupby, repeat
 from operator import itemgetter, not_
 from typing import cast
 
+from wasma.core.blockops import BlockOps, block_ops
+
 _NEVER = float("inf")
 
 EvictedSink = Callable[[list[int]], None]
@@ -55,10 +57,12 @@ class KVCache:
         block_size: int,
         on_stored: StoredSink | None = None,
         on_removed: EvictedSink | None = None,
+        ops: BlockOps | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks")
         self.block_size = block_size
+        self._ops = ops if ops is not None else block_ops()
         # Block 0 is vLLM's null block: never allocated, so usable blocks are one fewer.
         self.num_blocks = num_blocks - 1
         self.ref = [0] * num_blocks
@@ -106,34 +110,10 @@ class KVCache:
     # -- lookups ---------------------------------------------------------------------
     def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Cached blocks for the longest cached prefix (at most `max_blocks` blocks)."""
-        # map() runs the lookups in C; this is the simulator's hottest loop. Chunks that
-        # double in size stop soon after the first miss instead of looking up every
-        # block of a long prompt whose hit is short.
-        get = self.cached.get
-        n = min(max_blocks, len(block_hashes))
-        found: list[int] = []
-        i, step = 0, 64
-        while i < n:
-            part = list(map(get, block_hashes[i : min(i + step, n)]))
-            if None in part:
-                found += part[: part.index(None)]  # type: ignore[arg-type]
-                return found
-            found += part  # type: ignore[arg-type]
-            i += step
-            step *= 2
-        return found
+        return self._ops.prefix_get(self.cached, block_hashes, max_blocks)
 
     def count_hit(self, block_hashes: Sequence[int]) -> int:
-        has = self.cached.__contains__
-        n = len(block_hashes)
-        i, step = 0, 64
-        while i < n:
-            part = list(map(has, block_hashes[i : i + step]))
-            if False in part:
-                return i + part.index(False)
-            i += step
-            step *= 2
-        return n
+        return self._ops.prefix_len(self.cached, block_hashes)
 
     def can_allocate(self, num_new_blocks: int, hit_blocks: Sequence[int]) -> bool:
         evictable_hits = list(map(self.ref.__getitem__, hit_blocks)).count(0)
@@ -150,8 +130,7 @@ class KVCache:
             return False
         if evictable:
             self._unqueue(list(compress(hit_blocks, map(not_, refs))))
-        for b in hit_blocks:
-            ref[b] += 1
+        self._ops.add_at(ref, hit_blocks, 1)
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -159,8 +138,7 @@ class KVCache:
         refs = list(map(ref.__getitem__, blocks))
         if 0 in refs:
             self._unqueue(list(compress(blocks, map(not_, refs))))
-        for b in blocks:
-            ref[b] += 1
+        self._ops.add_at(ref, blocks, 1)
 
     def _unqueue(self, blocks: list[int]) -> None:
         """Take free blocks (given in chain order) out of the queue, keeping the order
@@ -204,16 +182,13 @@ class KVCache:
                     want = 0
         self._num_plain -= take_plain
         self._num_kept -= n - take_plain
-        ref, hash_of = self.ref, self.hash_of
+        ref, hash_of, ops = self.ref, self.hash_of, self._ops
         hs = list(map(hash_of.__getitem__, out))
         unhashed = hs.count(None)
+        ops.fill(ref, out, 1)
         if unhashed == n:
-            for b in out:
-                ref[b] = 1
             return out
-        for b in out:
-            ref[b] = 1
-            hash_of[b] = None
+        ops.fill(hash_of, out, None)
         cached = self.cached
         if self._stale:
             # Only a block that still holds its hash's map entry evicts it.
@@ -225,8 +200,7 @@ class KVCache:
             evicted = [h for h in hs if h is not None]
         else:
             evicted = hs  # type: ignore[assignment]
-        for h in evicted:
-            del cached[h]
+        ops.del_keys(cached, evicted)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         return out
@@ -264,20 +238,7 @@ class KVCache:
         As vLLM's BlockPool does: freed blocks that hold no cached content (a partial
         last block, a duplicate) go to the *front* of the free queue, to be reused before
         any cached prefix is evicted; cached ones go to the back."""
-        ref = self.ref
-        zero: list[int]  # blocks now free, tail first (queue order)
-        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):
-            # The request held every block alone (the common case): all are free now.
-            for b in blocks:
-                ref[b] = 0
-            zero = list(reversed(blocks))
-        else:
-            zero = []
-            for b in reversed(blocks):
-                r = ref[b] - 1
-                ref[b] = r
-                if not r:
-                    zero.append(b)
+        zero = self._ops.release(self.ref, blocks)  # blocks now free, tail first (queue order)
         if not zero:
             return
         hs = list(map(self.hash_of.__getitem__, zero))
@@ -325,9 +286,7 @@ class KVCache:
         """Append blocks (in queue order) at the back of a tier; in the retention tier, at
         the back of the runs next wanted at `use_at` or later."""
         run: _Run = _KeptRun(reversed(blocks)) if kept_tier else _Run(reversed(blocks))
-        run_of = self._run_of
-        for b in blocks:
-            run_of[b] = run
+        self._ops.fill(self._run_of, blocks, run)
         if kept_tier:
             run.use_at = use_at  # type: ignore[attr-defined]
             kept = self._kept
@@ -349,9 +308,7 @@ class KVCache:
     def _queue_front(self, blocks: list[int]) -> None:
         """Put blocks (in queue order) at the front of the ordinary tier."""
         run = _Run(reversed(blocks))
-        run_of = self._run_of
-        for b in blocks:
-            run_of[b] = run
+        self._ops.fill(self._run_of, blocks, run)
         self._runs.appendleft(run)
         self._num_plain += len(blocks)
 
@@ -502,8 +459,7 @@ class KVCache:
             fresh_b = [b for _, b in pairs]
             if stale:
                 stale.difference_update(fresh_b)  # they hold their hash's entry again
-        for b, h in zip(fresh_b, fresh_h, strict=True):
-            hash_of[b] = h
+        self._ops.scatter(hash_of, fresh_b, fresh_h)
         if self.on_stored is not None:
             self.on_stored(list(fresh_h), block_hashes[start - 1] if start > 0 else None)
 
@@ -546,8 +502,7 @@ class KVCache:
             # A later block of the chain is still cached elsewhere (its prefix was
             # evicted): the new copy takes the map entry, the old one keeps its hash.
             self._stale.update(cached[h] for h in todo if h in cached)
-        for b, h in zip(blocks, todo, strict=True):
-            hash_of[b] = h
+        self._ops.scatter(hash_of, blocks, todo)
         cached.update(zip(todo, blocks, strict=True))
         if self.on_stored is not None:
             self.on_stored(todo, block_hashes[n_have - 1] if n_have else None)
