@@ -528,6 +528,119 @@ fail:
     return NULL;
 }
 
+/* evict(ref, hash_of, cached, blocks): blocks taken from the free queue for new
+ * content: each one's count becomes 1 and the hash it held (if any) is forgotten, in
+ * both maps; the forgotten hashes, in block order. */
+static PyObject *
+evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "evict(ref, hash_of, cached, blocks)");
+        return NULL;
+    }
+    PyObject *ref = args[0], *hash_of = args[1], *cached = args[2];
+    if (check_list(ref) < 0 || check_list(hash_of) < 0 || check_dict(cached) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[3], "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *out = PyList_New(0);
+    if (one == NULL || out == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i, j;
+        if (slot_of(ref, items[k], &i) < 0 || slot_of(hash_of, items[k], &j) < 0)
+            goto fail;
+        set_slot(ref, i, one);
+        PyObject *h = PyList_GET_ITEM(hash_of, j);
+        if (h == Py_None)
+            continue;
+        if (PyList_Append(out, h) < 0) /* holds h while its slot lets go */
+            goto fail;
+        set_slot(hash_of, j, Py_None);
+        if (PyDict_DelItem(cached, h) < 0)
+            goto fail;
+    }
+    Py_DECREF(one);
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(one);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* register(cached, hash_of, blocks, hashes, lo, hi): cached.setdefault(hashes[k],
+ * blocks[k]) for k in [lo, hi). If every hash was new, hash_of[blocks[k]] = hashes[k]
+ * for each and None is returned; otherwise hash_of is left alone and the setdefault
+ * results are returned (the caller sorts out which blocks are new). */
+static PyObject *
+register_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "register(cached, hash_of, blocks, hashes, lo, hi)");
+        return NULL;
+    }
+    PyObject *cached = args[0], *hash_of = args[1];
+    if (check_dict(cached) < 0 || check_list(hash_of) < 0)
+        return NULL;
+    Py_ssize_t lo = PyNumber_AsSsize_t(args[4], PyExc_OverflowError);
+    Py_ssize_t hi = PyNumber_AsSsize_t(args[5], PyExc_OverflowError);
+    if ((lo == -1 || hi == -1) && PyErr_Occurred())
+        return NULL;
+    PyObject *bs = PySequence_Fast(args[2], "blocks must be a sequence");
+    if (bs == NULL)
+        return NULL;
+    PyObject *hs = PySequence_Fast(args[3], "hashes must be a sequence");
+    if (hs == NULL) {
+        Py_DECREF(bs);
+        return NULL;
+    }
+    /* The slices' bounds, as Python clamps them. */
+    Py_ssize_t nb = PySequence_Fast_GET_SIZE(bs), nh = PySequence_Fast_GET_SIZE(hs);
+    if (lo < 0 || hi < lo || hi > nb || hi > nh) {
+        PyErr_SetString(PyExc_ValueError, "register: [lo, hi) outside the blocks or hashes");
+        goto fail;
+    }
+    PyObject **b = PySequence_Fast_ITEMS(bs), **h = PySequence_Fast_ITEMS(hs);
+    Py_ssize_t before = PyDict_GET_SIZE(cached);
+    PyObject *got = PyList_New(hi - lo);
+    if (got == NULL)
+        goto fail;
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        PyObject *g = PyDict_SetDefault(cached, h[k], b[k]); /* borrowed */
+        if (g == NULL) {
+            Py_DECREF(got);
+            goto fail;
+        }
+        Py_INCREF(g);
+        PyList_SET_ITEM(got, k - lo, g);
+    }
+    if (PyDict_GET_SIZE(cached) - before != hi - lo) {
+        Py_DECREF(bs);
+        Py_DECREF(hs);
+        return got;
+    }
+    Py_DECREF(got);
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        Py_ssize_t i;
+        if (slot_of(hash_of, b[k], &i) < 0)
+            goto fail;
+        set_slot(hash_of, i, h[k]);
+    }
+    Py_DECREF(bs);
+    Py_DECREF(hs);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(bs);
+    Py_DECREF(hs);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
@@ -539,6 +652,8 @@ static PyMethodDef methods[] = {
     {"or_bits", (PyCFunction)(void (*)(void))or_bits, METH_FASTCALL, NULL},
     {"clear_bits", (PyCFunction)(void (*)(void))clear_bits, METH_FASTCALL, NULL},
     {"match_runs", (PyCFunction)(void (*)(void))match_runs, METH_FASTCALL, NULL},
+    {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL, NULL},
+    {"register", (PyCFunction)(void (*)(void))register_run, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

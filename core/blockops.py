@@ -41,6 +41,20 @@ class BlockOps(Protocol):
 
     def match_runs(self, d: dict[Any, int], keys: Sequence[Any]) -> list[tuple[int, int]]: ...
 
+    def evict(
+        self, ref: list[int], hash_of: list[Any], cached: dict[Any, int], blocks: Sequence[int]
+    ) -> list[Any]: ...
+
+    def register(
+        self,
+        cached: dict[Any, int],
+        hash_of: list[Any],
+        blocks: Sequence[int],
+        hashes: Sequence[Any],
+        lo: int,
+        hi: int,
+    ) -> list[int] | None: ...
+
 
 class PythonBlockOps:
     """The reference implementation."""
@@ -153,6 +167,45 @@ class PythonBlockOps:
         if held is not None:
             out.append((depth, held))
         return out
+
+    @staticmethod
+    def evict(
+        ref: list[int], hash_of: list[Any], cached: dict[Any, int], blocks: Sequence[int]
+    ) -> list[Any]:
+        """Blocks taken for new content: each count becomes 1 and the hash each held (if
+        any) is forgotten in both maps; those hashes, in block order."""
+        out: list[Any] = []
+        for b in blocks:
+            ref[b] = 1
+            h = hash_of[b]
+            if h is None:
+                continue
+            out.append(h)
+            hash_of[b] = None
+            del cached[h]
+        return out
+
+    @staticmethod
+    def register(
+        cached: dict[Any, int],
+        hash_of: list[Any],
+        blocks: Sequence[int],
+        hashes: Sequence[Any],
+        lo: int,
+        hi: int,
+    ) -> list[int] | None:
+        """`cached.setdefault(hashes[k], blocks[k])` for k in [lo, hi). If every hash was
+        new, each block's `hash_of` is set and None returned; otherwise `hash_of` is left
+        alone and the setdefault results are returned."""
+        if lo < 0 or hi < lo or hi > len(blocks) or hi > len(hashes):
+            raise ValueError("register: [lo, hi) outside the blocks or hashes")
+        before = len(cached)
+        got = list(map(cached.setdefault, hashes[lo:hi], blocks[lo:hi]))
+        if len(cached) - before != hi - lo:
+            return got
+        for k in range(lo, hi):
+            hash_of[blocks[k]] = hashes[k]
+        return None
 
 
 def block_ops() -> BlockOps:

@@ -182,25 +182,21 @@ class KVCache:
                     want = 0
         self._num_plain -= take_plain
         self._num_kept -= n - take_plain
-        ref, hash_of, ops = self.ref, self.hash_of, self._ops
-        hs = list(map(hash_of.__getitem__, out))
-        unhashed = hs.count(None)
-        ops.fill(ref, out, 1)
-        if unhashed == n:
-            return out
-        ops.fill(hash_of, out, None)
-        cached = self.cached
+        ref, hash_of, ops, cached = self.ref, self.hash_of, self._ops, self.cached
         if self._stale:
+            hs = list(map(hash_of.__getitem__, out))
+            ops.fill(ref, out, 1)
+            if hs.count(None) == n:
+                return out
+            ops.fill(hash_of, out, None)
             # Only a block that still holds its hash's map entry evicts it.
             evicted = [
                 h for h, b in zip(hs, out, strict=True) if h is not None and cached.get(h) == b
             ]
             self._stale.difference_update(out)
-        elif unhashed:
-            evicted = [h for h in hs if h is not None]
+            ops.del_keys(cached, evicted)
         else:
-            evicted = hs  # type: ignore[assignment]
-        ops.del_keys(cached, evicted)
+            evicted = ops.evict(ref, hash_of, cached, out)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         return out
@@ -431,34 +427,35 @@ class KVCache:
         if end - skip == 1:
             self._cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
             return
-        hs = block_hashes[skip:end]
-        bs = blocks[skip:end]
-        if not hs:
+        hi = min(end, len(block_hashes))
+        if hi <= skip:
             return
         # One lookup a block: setdefault registers new hashes and returns the block
-        # already registered for the others.
-        before = len(cached)
-        got = list(map(cached.setdefault, hs, bs))
-        added = len(cached) - before
-        if added == len(hs):
-            fresh_h: Sequence[int] = hs
-            fresh_b: Sequence[int] = bs
-        else:
-            # Same content computed twice concurrently: vLLM keeps both copies and one
-            # map entry suffices to serve hits, so only new hashes are registered. A
-            # block re-registered under the hash it already holds is not new either.
-            stale = self._stale
-            pairs = [
-                (h, b)
-                for h, g, b in zip(hs, got, bs, strict=True)
-                if g == b and (hash_of[b] != h or b in stale)
-            ]
-            if not pairs:
-                return
-            fresh_h = [h for h, _ in pairs]
-            fresh_b = [b for _, b in pairs]
-            if stale:
-                stale.difference_update(fresh_b)  # they hold their hash's entry again
+        # already registered for the others; if all are new, they are registered.
+        got = self._ops.register(cached, hash_of, blocks, block_hashes, skip, hi)
+        if got is None:
+            fresh = block_hashes[skip:hi]
+            if self.on_stored is not None:
+                parent = block_hashes[start - 1] if start > 0 else None
+                self.on_stored(fresh if type(fresh) is list else list(fresh), parent)
+            return
+        hs = block_hashes[skip:hi]
+        bs = blocks[skip:hi]
+        # Same content computed twice concurrently: vLLM keeps both copies and one
+        # map entry suffices to serve hits, so only new hashes are registered. A
+        # block re-registered under the hash it already holds is not new either.
+        stale = self._stale
+        pairs = [
+            (h, b)
+            for h, g, b in zip(hs, got, bs, strict=True)
+            if g == b and (hash_of[b] != h or b in stale)
+        ]
+        if not pairs:
+            return
+        fresh_h = [h for h, _ in pairs]
+        fresh_b = [b for _, b in pairs]
+        if stale:
+            stale.difference_update(fresh_b)  # they hold their hash's entry again
         self._ops.scatter(hash_of, fresh_b, fresh_h)
         if self.on_stored is not None:
             self.on_stored(list(fresh_h), block_hashes[start - 1] if start > 0 else None)

@@ -61,6 +61,26 @@ def test_list_operations(lst: list[int], idx: list[int], delta: int) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
+    st.lists(st.none() | st.integers(0, 12), min_size=1, max_size=12),
+    st.lists(st.integers(-13, 12), max_size=14),
+    st.lists(st.integers(0, 12), max_size=14),
+    st.integers(-1, 15),
+    st.integers(-1, 15),
+)
+def test_cache_operations(
+    hash_of: list[int | None], blocks: list[int], hashes: list[int], lo: int, hi: int
+) -> None:
+    # The map from hashes to blocks, some agreeing with `hash_of`, some not.
+    cached = {h: b for b, h in enumerate(hash_of) if h is not None and b % 3}
+    cached.update({h + 100: h for h in hashes[::2]})
+    ref = [1] * len(hash_of)
+    both(lambda ops, s: ops.evict(s[0], s[1], s[2], blocks), [ref, hash_of, cached])
+    keyed = [h + 100 * (i % 2) for i, h in enumerate(hashes)]
+    both(lambda ops, s: ops.register(s[0], s[1], blocks, keyed, lo, hi), [cached, hash_of, blocks])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
     st.dictionaries(keys, masks, max_size=30),
     st.lists(keys, max_size=30),
     bits,
