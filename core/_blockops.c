@@ -57,6 +57,20 @@ check_dict(PyObject *d)
     return 0;
 }
 
+/* A mask as a C long when it is an exact int that fits (the masks of clusters up to 62
+ * engines); -1 otherwise (the generic number protocol handles it). */
+static inline long
+small_mask(PyObject *v)
+{
+    if (!PyLong_CheckExact(v))
+        return -1;
+    int overflow;
+    long x = PyLong_AsLongAndOverflow(v, &overflow);
+    if (overflow || x < 0)
+        return -1;
+    return x;
+}
+
 /* fill(lst, indices, value): lst[i] = value for every i. */
 static PyObject *
 fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -348,6 +362,7 @@ or_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), had = 0, k = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    long sbit = small_mask(bit);
     PyObject **next = PyMem_Malloc(sizeof(PyObject *) * (n ? n : 1));
     if (next == NULL) {
         Py_DECREF(seq);
@@ -360,6 +375,14 @@ or_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             Py_INCREF(bit);
             next[k] = bit; /* 0 | bit */
+            continue;
+        }
+        long mm = small_mask(m);
+        if (mm >= 0 && sbit >= 0) {
+            had += (mm & sbit) != 0;
+            next[k] = PyLong_FromLong(mm | sbit);
+            if (next[k] == NULL)
+                goto fail;
             continue;
         }
         PyObject *both = PyNumber_And(m, bit);
@@ -415,11 +438,29 @@ clear_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
+    long sbit = small_mask(bit);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *m = PyDict_GetItemWithError(d, items[k]); /* borrowed */
         if (m == NULL) {
             if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        long mm = small_mask(m);
+        if (mm >= 0 && sbit >= 0) {
+            if (!(mm & sbit))
+                continue;
+            removed++;
+            if (mm == sbit) {
+                if (PyDict_DelItem(d, items[k]) < 0)
+                    goto fail;
+                continue;
+            }
+            PyObject *left = PyLong_FromLong(mm & ~sbit);
+            int rc = left == NULL ? -1 : PyDict_SetItem(d, items[k], left);
+            Py_XDECREF(left);
+            if (rc < 0)
                 goto fail;
             continue;
         }
@@ -479,6 +520,11 @@ match_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (PyErr_Occurred())
                 goto fail;
             break;
+        }
+        if (held != NULL) {
+            long hm = small_mask(held), mm = small_mask(m);
+            if (hm >= 0 && mm >= 0 && (hm & mm) == hm)
+                continue; /* every engine still holding the prefix holds this block */
         }
         PyObject *cur = held == NULL ? (Py_INCREF(m), m) : PyNumber_And(held, m);
         if (cur == NULL)
