@@ -687,6 +687,57 @@ fail:
     return NULL;
 }
 
+/* hash_run(parent, stream, start, count, step): the chain h_k = hash((h_{k-1}, stream,
+ * start + k * step)) for k < count, from h_{-1} = parent (Python's tuple hash, so the
+ * same numbers as the reference's comprehension). */
+static PyObject *
+hash_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "hash_run(parent, stream, start, count, step)");
+        return NULL;
+    }
+    PyObject *stream = args[1];
+    Py_ssize_t count = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(count > 0 ? count : 0);
+    if (out == NULL)
+        return NULL;
+    PyObject *h = args[0], *off = args[2], *step = args[4];
+    Py_INCREF(h);
+    Py_INCREF(off);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (k > 0) {
+            PyObject *next = PyNumber_Add(off, step);
+            if (next == NULL)
+                goto fail;
+            Py_SETREF(off, next);
+        }
+        PyObject *key = PyTuple_Pack(3, h, stream, off);
+        if (key == NULL)
+            goto fail;
+        Py_hash_t v = PyObject_Hash(key);
+        Py_DECREF(key);
+        if (v == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *hv = PyLong_FromSsize_t(v);
+        if (hv == NULL)
+            goto fail;
+        Py_INCREF(hv);
+        PyList_SET_ITEM(out, k, hv);
+        Py_SETREF(h, hv);
+    }
+    Py_DECREF(h);
+    Py_DECREF(off);
+    return out;
+fail:
+    Py_DECREF(h);
+    Py_DECREF(off);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
@@ -700,6 +751,7 @@ static PyMethodDef methods[] = {
     {"match_runs", (PyCFunction)(void (*)(void))match_runs, METH_FASTCALL, NULL},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL, NULL},
     {"register", (PyCFunction)(void (*)(void))register_run, METH_FASTCALL, NULL},
+    {"hash_run", (PyCFunction)(void (*)(void))hash_run, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,6 +55,10 @@ class BlockOps(Protocol):
         hi: int,
     ) -> list[int] | None: ...
 
+    def hash_run(
+        self, parent: int, stream: int, start: int, count: int, step: int
+    ) -> list[int]: ...
+
 
 class PythonBlockOps:
     """The reference implementation."""
@@ -206,6 +210,13 @@ class PythonBlockOps:
         for k in range(lo, hi):
             hash_of[blocks[k]] = hashes[k]
         return None
+
+    @staticmethod
+    def hash_run(parent: int, stream: int, start: int, count: int, step: int) -> list[int]:
+        """The chain h_k = hash((h_{k-1}, stream, start + k * step)), k < count, from
+        h_{-1} = parent."""
+        h = parent
+        return [h := hash((h, stream, off)) for off in range(start, start + count * step, step)]
 
 
 def block_ops() -> BlockOps:

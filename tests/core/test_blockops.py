@@ -98,6 +98,12 @@ def test_dict_operations(d: dict[int, int], ks: list[int], bit: int, limit: int)
         both(lambda ops, s, o=order: ops.match_runs(s[0], o), [d])
 
 
+@settings(max_examples=200, deadline=None)
+@given(keys, keys, st.integers(0, 10**6), st.integers(-2, 40), st.integers(1, 64))
+def test_hash_run(parent: int, stream: int, start: int, count: int, step: int) -> None:
+    both(lambda ops, s: ops.hash_run(parent, stream, start, count, step), [])
+
+
 def test_match_runs_reads_the_running_and() -> None:
     d = {10: 0b111, 11: 0b111, 12: 0b101, 13: 0b001, 14: 0b100}
     for ops in (REFERENCE, compiled):
