@@ -163,7 +163,7 @@ class KVCache:
         if n <= 0:
             return []
         if n == 1:
-            return [self._allocate_one()]  # a decode step crossing a block boundary
+            return [self.allocate_one()]  # a decode step crossing a block boundary
         out: list[int] = []
         left = n
         # Ordinary blocks first, then the retention tier; each from its front.
@@ -201,7 +201,7 @@ class KVCache:
             self.on_removed(evicted)
         return out
 
-    def _allocate_one(self) -> int:
+    def allocate_one(self) -> int:
         """`allocate(1)` without the bulk machinery (decode needs one block at a time)."""
         if self._num_plain:
             runs = self._runs
@@ -425,7 +425,7 @@ class KVCache:
         hash_of, cached = self.hash_of, self.cached
         skip = start + known_cached
         if end - skip == 1:
-            self._cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
+            self.cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
             return
         hi = min(end, len(block_hashes))
         if hi <= skip:
@@ -460,7 +460,7 @@ class KVCache:
         if self.on_stored is not None:
             self.on_stored(list(fresh_h), block_hashes[start - 1] if start > 0 else None)
 
-    def _cache_one(self, b: int, h: int, start: int, block_hashes: Sequence[int]) -> None:
+    def cache_one(self, b: int, h: int, start: int, block_hashes: Sequence[int]) -> None:
         """`cache_blocks` of one block (decode fills one block at a time)."""
         if self.cached.setdefault(h, b) != b:
             return  # another block holds this content already
