@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Protocol
 
 
@@ -105,32 +106,41 @@ class PythonBlockOps:
     @staticmethod
     def prefix_get(d: dict[Any, Any], keys: Sequence[Any], limit: int) -> list[Any]:
         """The values of the leading keys found in `d`, at most `limit`."""
-        out: list[Any] = []
+        # map() looks up in C; chunks that double in size stop soon after the first
+        # miss instead of looking up every key of a long chain whose hit is short.
         get = d.get
-        for k in keys[: max(limit, 0)]:
-            v = get(k)
-            if v is None:
-                break
-            out.append(v)
+        n = min(limit, len(keys))
+        out: list[Any] = []
+        i, step = 0, 64
+        while i < n:
+            part = list(map(get, keys[i : min(i + step, n)]))
+            if None in part:
+                return out + part[: part.index(None)]
+            out += part
+            i += step
+            step *= 2
         return out
 
     @staticmethod
     def prefix_len(d: dict[Any, Any], keys: Sequence[Any]) -> int:
-        n = 0
-        for k in keys:
-            if k not in d:
-                break
-            n += 1
+        has = d.__contains__
+        n = len(keys)
+        i, step = 0, 64
+        while i < n:
+            part = list(map(has, keys[i : i + step]))
+            if False in part:
+                return i + part.index(False)
+            i += step
+            step *= 2
         return n
 
     @staticmethod
     def or_bits(d: dict[Any, int], keys: Sequence[Any], bit: int) -> int:
         """Every key's mask (0 if absent) gains `bit`; how many had it already. All
         masks are read before any is written (a key listed twice counts twice)."""
-        masks = [d.get(k, 0) for k in keys]
-        had = sum(1 for m in masks if m & bit)
-        for k, m in zip(keys, masks, strict=True):
-            d[k] = m | bit
+        masks = list(map(d.get, keys, repeat(0)))
+        had = sum(1 for m in masks if m & bit) if any(masks) else 0
+        d.update(zip(keys, map(bit.__or__, masks), strict=True))
         return had
 
     @staticmethod
