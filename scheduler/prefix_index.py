@@ -8,17 +8,18 @@ recently stored hashes are forgotten (an approximate index only costs hit accura
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import accumulate, compress, repeat
-from operator import and_, neg, not_
+from itertools import repeat
 
+from wasma.core.blockops import BlockOps, PythonBlockOps, block_ops
 from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:
-    def __init__(self, engines: Sequence[str], max_blocks: int = 4_000_000) -> None:
+    def __init__(
+        self, engines: Sequence[str], max_blocks: int = 4_000_000, ops: BlockOps | None = None
+    ) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
         self.engines = list(engines)
@@ -29,6 +30,7 @@ class PrefixIndex:
         # (same order) the first time the cap is hit, for popping the oldest in O(1).
         self._holders: dict[int, int] = {}
         self.blocks_per_engine = [0] * len(self.engines)
+        self._ops = ops if ops is not None else block_ops()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -57,16 +59,9 @@ class PrefixIndex:
                         self._trim()
                 return
             before = len(holders)
-            # map() keeps the per-block work in C. Insertion order approximates recency:
-            # a hash re-enters at the end only after every engine dropped it, which keeps
-            # stores O(1) without move_to_end.
-            masks = list(map(holders.get, hashes, repeat(0)))
-            if any(masks):
-                had = sum(map(bit.__and__, masks)) // bit
-                holders.update(zip(hashes, map(bit.__or__, masks), strict=True))
-            else:  # new content (the common case): no engine held any of it
-                had = 0
-                holders.update(zip(hashes, repeat(bit)))
+            # Insertion order approximates recency: a hash re-enters at the end only
+            # after every engine dropped it, which keeps stores O(1) without move_to_end.
+            had = self._ops.or_bits(holders, hashes, bit)
             self.blocks_per_engine[slot] += len(hashes) - had
             if len(holders) > self.max_blocks and len(holders) > before:
                 self._trim()
@@ -83,42 +78,7 @@ class PrefixIndex:
                         del holders[h]
                     self.blocks_per_engine[slot] -= 1
                 return
-            masks = list(map(holders.get, hashes, repeat(0)))
-            if masks.count(bit) == len(masks):
-                # Evicted content only this engine held (the common case): drop it.
-                before = len(holders)
-                try:
-                    for h in hashes:
-                        del holders[h]
-                except KeyError:  # a hash listed twice
-                    for h in hashes:
-                        holders.pop(h, None)
-                self.blocks_per_engine[slot] -= before - len(holders)
-                return
-            if len(set(hashes)) == len(hashes):
-                # Shared content (or a router-side in-flight index): clear this engine's
-                # bit in bulk, keeping every entry's place, then drop emptied entries.
-                with_bit = list(map(bit.__and__, masks))
-                gone = list(compress(hashes, with_bit))
-                left = list(map((~bit).__and__, compress(masks, with_bit)))
-                holders.update(zip(gone, left, strict=True))
-                if 0 in left:
-                    for h in compress(gone, map(not_, left)):
-                        del holders[h]
-                self.blocks_per_engine[slot] -= len(gone)
-                return
-            removed = 0
-            for h in hashes:
-                held = holders.get(h)
-                if held is None or not held & bit:
-                    continue
-                removed += 1
-                held &= ~bit
-                if held:
-                    holders[h] = held
-                else:
-                    del holders[h]
-            self.blocks_per_engine[slot] -= removed
+            self.blocks_per_engine[slot] -= self._ops.clear_bits(holders, hashes, bit)
         elif isinstance(event, AllBlocksCleared):
             self.remove_engine_blocks(event.engine)
 
@@ -140,6 +100,9 @@ class PrefixIndex:
         holders = self._holders
         if not isinstance(holders, OrderedDict):
             holders = self._holders = OrderedDict(holders)
+            # The compiled operations take plain dicts only (they would bypass the
+            # OrderedDict's own order).
+            self._ops = PythonBlockOps()
         while len(holders) > self.max_blocks:
             _h, mask = holders.popitem(last=False)
             while mask:
@@ -155,32 +118,10 @@ class PrefixIndex:
         disappears. Lookups go in chunks that double in size and stop at the first
         block no engine holds, so a long prompt with a short shared head costs little."""
         out = [0] * len(self.engines)
-        get = self._holders.get
-        n = len(block_hashes)
-        acc: list[int] = []
-        i, step, held = 0, 64, -1  # -1: every engine (all bits set)
-        while i < n:
-            part = list(map(get, block_hashes[i : i + step]))
-            cut = _index_or_len(part, None)
-            part_acc = list(accumulate(part[:cut], and_, initial=held))[1:]
-            stop = _index_or_len(part_acc, 0)
-            acc += part_acc[:stop]
-            if cut < len(part) or stop < len(part_acc):
-                break
-            held = part_acc[-1]
-            i += step
-            step *= 2
-        if not acc:
-            return out
-        # The running AND only loses bits, so it never increases: each distinct value is
-        # one contiguous run, found by binary search (at most one run per engine).
-        n = len(acc)
-        d = 0
-        while d < n:
-            mask = acc[d]
-            end = bisect_right(acc, -mask, d, n, key=neg)
-            self._record(out, mask & ~acc[end] if end < n else mask, end)
-            d = end
+        # The running AND of the blocks' holder masks only loses bits: each engine's
+        # prefix ends where its bit goes (at most one change per engine).
+        for depth, mask in self._ops.match_runs(self._holders, block_hashes):
+            self._record(out, mask, depth)
         return out
 
     @staticmethod
@@ -197,11 +138,3 @@ class PrefixIndex:
     def holders(self, block_hash: int) -> list[int]:
         mask = self._holders.get(block_hash, 0)
         return [i for i in range(len(self.engines)) if mask >> i & 1]
-
-
-def _index_or_len(items: list[int | None] | list[int], value: int | None) -> int:
-    """Position of the first `value` in `items`, or its length (list.index runs in C)."""
-    try:
-        return items.index(value)  # type: ignore[arg-type]
-    except ValueError:
-        return len(items)

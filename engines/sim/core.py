@@ -587,11 +587,21 @@ class SimEngineCore:
             req = scheduled[i][0]
             total = req.num_computed_tokens + upto
             need = -(-total // bs) - len(req.blocks)
-            if need > 0:
+            # Most sub-steps cross one block boundary: the one-block calls skip the bulk
+            # paths' setup (same blocks, same events).
+            if need == 1:
+                req.blocks.append(kv.allocate_one())
+            elif need > 0:
                 req.blocks.extend(kv.allocate(need))
             full = total // bs
-            if full > req.num_cached_blocks:
-                kv.cache_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full)
+            cached = req.num_cached_blocks
+            if full > cached:
+                if full - cached == 1:
+                    kv.cache_one(
+                        req.blocks[cached], req.block_hashes[cached], cached, req.block_hashes
+                    )
+                else:
+                    kv.cache_blocks(req.blocks, req.block_hashes, cached, full)
                 req.num_cached_blocks = full
             due[i] = _next_due(req, bs)
 

@@ -22,6 +22,8 @@ from itertools import compress, groupby, repeat
 from operator import itemgetter, not_
 from typing import cast
 
+from wasma.core.blockops import BlockOps, block_ops
+
 _NEVER = float("inf")
 
 EvictedSink = Callable[[list[int]], None]
@@ -55,10 +57,12 @@ class KVCache:
         block_size: int,
         on_stored: StoredSink | None = None,
         on_removed: EvictedSink | None = None,
+        ops: BlockOps | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks")
         self.block_size = block_size
+        self._ops = ops if ops is not None else block_ops()
         # Block 0 is vLLM's null block: never allocated, so usable blocks are one fewer.
         self.num_blocks = num_blocks - 1
         self.ref = [0] * num_blocks
@@ -106,34 +110,10 @@ class KVCache:
     # -- lookups ---------------------------------------------------------------------
     def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Cached blocks for the longest cached prefix (at most `max_blocks` blocks)."""
-        # map() runs the lookups in C; this is the simulator's hottest loop. Chunks that
-        # double in size stop soon after the first miss instead of looking up every
-        # block of a long prompt whose hit is short.
-        get = self.cached.get
-        n = min(max_blocks, len(block_hashes))
-        found: list[int] = []
-        i, step = 0, 64
-        while i < n:
-            part = list(map(get, block_hashes[i : min(i + step, n)]))
-            if None in part:
-                found += part[: part.index(None)]  # type: ignore[arg-type]
-                return found
-            found += part  # type: ignore[arg-type]
-            i += step
-            step *= 2
-        return found
+        return self._ops.prefix_get(self.cached, block_hashes, max_blocks)
 
     def count_hit(self, block_hashes: Sequence[int]) -> int:
-        has = self.cached.__contains__
-        n = len(block_hashes)
-        i, step = 0, 64
-        while i < n:
-            part = list(map(has, block_hashes[i : i + step]))
-            if False in part:
-                return i + part.index(False)
-            i += step
-            step *= 2
-        return n
+        return self._ops.prefix_len(self.cached, block_hashes)
 
     def can_allocate(self, num_new_blocks: int, hit_blocks: Sequence[int]) -> bool:
         evictable_hits = list(map(self.ref.__getitem__, hit_blocks)).count(0)
@@ -150,8 +130,7 @@ class KVCache:
             return False
         if evictable:
             self._unqueue(list(compress(hit_blocks, map(not_, refs))))
-        for b in hit_blocks:
-            ref[b] += 1
+        self._ops.add_at(ref, hit_blocks, 1)
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -159,8 +138,7 @@ class KVCache:
         refs = list(map(ref.__getitem__, blocks))
         if 0 in refs:
             self._unqueue(list(compress(blocks, map(not_, refs))))
-        for b in blocks:
-            ref[b] += 1
+        self._ops.add_at(ref, blocks, 1)
 
     def _unqueue(self, blocks: list[int]) -> None:
         """Take free blocks (given in chain order) out of the queue, keeping the order
@@ -185,7 +163,7 @@ class KVCache:
         if n <= 0:
             return []
         if n == 1:
-            return [self._allocate_one()]  # a decode step crossing a block boundary
+            return [self.allocate_one()]  # a decode step crossing a block boundary
         out: list[int] = []
         left = n
         # Ordinary blocks first, then the retention tier; each from its front.
@@ -204,34 +182,26 @@ class KVCache:
                     want = 0
         self._num_plain -= take_plain
         self._num_kept -= n - take_plain
-        ref, hash_of = self.ref, self.hash_of
-        hs = list(map(hash_of.__getitem__, out))
-        unhashed = hs.count(None)
-        if unhashed == n:
-            for b in out:
-                ref[b] = 1
-            return out
-        for b in out:
-            ref[b] = 1
-            hash_of[b] = None
-        cached = self.cached
+        ref, hash_of, ops, cached = self.ref, self.hash_of, self._ops, self.cached
         if self._stale:
+            hs = list(map(hash_of.__getitem__, out))
+            ops.fill(ref, out, 1)
+            if hs.count(None) == n:
+                return out
+            ops.fill(hash_of, out, None)
             # Only a block that still holds its hash's map entry evicts it.
             evicted = [
                 h for h, b in zip(hs, out, strict=True) if h is not None and cached.get(h) == b
             ]
             self._stale.difference_update(out)
-        elif unhashed:
-            evicted = [h for h in hs if h is not None]
+            ops.del_keys(cached, evicted)
         else:
-            evicted = hs  # type: ignore[assignment]
-        for h in evicted:
-            del cached[h]
+            evicted = ops.evict(ref, hash_of, cached, out)
         if evicted and self.on_removed is not None:
             self.on_removed(evicted)
         return out
 
-    def _allocate_one(self) -> int:
+    def allocate_one(self) -> int:
         """`allocate(1)` without the bulk machinery (decode needs one block at a time)."""
         if self._num_plain:
             runs = self._runs
@@ -264,20 +234,7 @@ class KVCache:
         As vLLM's BlockPool does: freed blocks that hold no cached content (a partial
         last block, a duplicate) go to the *front* of the free queue, to be reused before
         any cached prefix is evicted; cached ones go to the back."""
-        ref = self.ref
-        zero: list[int]  # blocks now free, tail first (queue order)
-        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):
-            # The request held every block alone (the common case): all are free now.
-            for b in blocks:
-                ref[b] = 0
-            zero = list(reversed(blocks))
-        else:
-            zero = []
-            for b in reversed(blocks):
-                r = ref[b] - 1
-                ref[b] = r
-                if not r:
-                    zero.append(b)
+        zero = self._ops.release(self.ref, blocks)  # blocks now free, tail first (queue order)
         if not zero:
             return
         hs = list(map(self.hash_of.__getitem__, zero))
@@ -325,9 +282,7 @@ class KVCache:
         """Append blocks (in queue order) at the back of a tier; in the retention tier, at
         the back of the runs next wanted at `use_at` or later."""
         run: _Run = _KeptRun(reversed(blocks)) if kept_tier else _Run(reversed(blocks))
-        run_of = self._run_of
-        for b in blocks:
-            run_of[b] = run
+        self._ops.fill(self._run_of, blocks, run)
         if kept_tier:
             run.use_at = use_at  # type: ignore[attr-defined]
             kept = self._kept
@@ -349,9 +304,7 @@ class KVCache:
     def _queue_front(self, blocks: list[int]) -> None:
         """Put blocks (in queue order) at the front of the ordinary tier."""
         run = _Run(reversed(blocks))
-        run_of = self._run_of
-        for b in blocks:
-            run_of[b] = run
+        self._ops.fill(self._run_of, blocks, run)
         self._runs.appendleft(run)
         self._num_plain += len(blocks)
 
@@ -472,42 +425,42 @@ class KVCache:
         hash_of, cached = self.hash_of, self.cached
         skip = start + known_cached
         if end - skip == 1:
-            self._cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
+            self.cache_one(blocks[skip], block_hashes[skip], start, block_hashes)
             return
-        hs = block_hashes[skip:end]
-        bs = blocks[skip:end]
-        if not hs:
+        hi = min(end, len(block_hashes))
+        if hi <= skip:
             return
         # One lookup a block: setdefault registers new hashes and returns the block
-        # already registered for the others.
-        before = len(cached)
-        got = list(map(cached.setdefault, hs, bs))
-        added = len(cached) - before
-        if added == len(hs):
-            fresh_h: Sequence[int] = hs
-            fresh_b: Sequence[int] = bs
-        else:
-            # Same content computed twice concurrently: vLLM keeps both copies and one
-            # map entry suffices to serve hits, so only new hashes are registered. A
-            # block re-registered under the hash it already holds is not new either.
-            stale = self._stale
-            pairs = [
-                (h, b)
-                for h, g, b in zip(hs, got, bs, strict=True)
-                if g == b and (hash_of[b] != h or b in stale)
-            ]
-            if not pairs:
-                return
-            fresh_h = [h for h, _ in pairs]
-            fresh_b = [b for _, b in pairs]
-            if stale:
-                stale.difference_update(fresh_b)  # they hold their hash's entry again
-        for b, h in zip(fresh_b, fresh_h, strict=True):
-            hash_of[b] = h
+        # already registered for the others; if all are new, they are registered.
+        got = self._ops.register(cached, hash_of, blocks, block_hashes, skip, hi)
+        if got is None:
+            fresh = block_hashes[skip:hi]
+            if self.on_stored is not None:
+                parent = block_hashes[start - 1] if start > 0 else None
+                self.on_stored(fresh if type(fresh) is list else list(fresh), parent)
+            return
+        hs = block_hashes[skip:hi]
+        bs = blocks[skip:hi]
+        # Same content computed twice concurrently: vLLM keeps both copies and one
+        # map entry suffices to serve hits, so only new hashes are registered. A
+        # block re-registered under the hash it already holds is not new either.
+        stale = self._stale
+        pairs = [
+            (h, b)
+            for h, g, b in zip(hs, got, bs, strict=True)
+            if g == b and (hash_of[b] != h or b in stale)
+        ]
+        if not pairs:
+            return
+        fresh_h = [h for h, _ in pairs]
+        fresh_b = [b for _, b in pairs]
+        if stale:
+            stale.difference_update(fresh_b)  # they hold their hash's entry again
+        self._ops.scatter(hash_of, fresh_b, fresh_h)
         if self.on_stored is not None:
             self.on_stored(list(fresh_h), block_hashes[start - 1] if start > 0 else None)
 
-    def _cache_one(self, b: int, h: int, start: int, block_hashes: Sequence[int]) -> None:
+    def cache_one(self, b: int, h: int, start: int, block_hashes: Sequence[int]) -> None:
         """`cache_blocks` of one block (decode fills one block at a time)."""
         if self.cached.setdefault(h, b) != b:
             return  # another block holds this content already
@@ -546,8 +499,7 @@ class KVCache:
             # A later block of the chain is still cached elsewhere (its prefix was
             # evicted): the new copy takes the map entry, the old one keeps its hash.
             self._stale.update(cached[h] for h in todo if h in cached)
-        for b, h in zip(blocks, todo, strict=True):
-            hash_of[b] = h
+        self._ops.scatter(hash_of, blocks, todo)
         cached.update(zip(todo, blocks, strict=True))
         if self.on_stored is not None:
             self.on_stored(todo, block_hashes[n_have - 1] if n_have else None)

@@ -1,0 +1,767 @@
+/* Compiled block operations: the per-block loops of the simulated KV cache and the
+ * prefix index, over the same Python lists and dicts they keep.
+ *
+ * Each function does exactly what its reference in blockops.py does (same results,
+ * same dict insertion order, same exceptions), one C loop instead of one Python
+ * bytecode loop a block. Lists must be exact lists and dicts exact dicts: an
+ * OrderedDict keeps its own order beside the dict's, which the PyDict_* calls here
+ * would bypass. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* The list slot an index names, with Python's negative indexing and bounds check. */
+static int
+slot_of(PyObject *lst, PyObject *index, Py_ssize_t *out)
+{
+    Py_ssize_t i = PyNumber_AsSsize_t(index, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    if (i < 0)
+        i += n;
+    if (i < 0 || i >= n) {
+        PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+        return -1;
+    }
+    *out = i;
+    return 0;
+}
+
+static void
+set_slot(PyObject *lst, Py_ssize_t i, PyObject *value)
+{
+    Py_INCREF(value);
+    PyObject *old = PyList_GET_ITEM(lst, i);
+    PyList_SET_ITEM(lst, i, value);
+    Py_DECREF(old);
+}
+
+static int
+check_list(PyObject *lst)
+{
+    if (!PyList_CheckExact(lst)) {
+        PyErr_SetString(PyExc_TypeError, "expected a list");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+check_dict(PyObject *d)
+{
+    if (!PyDict_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "expected a dict (not a subclass)");
+        return -1;
+    }
+    return 0;
+}
+
+/* A mask as a C long when it is an exact int that fits (the masks of clusters up to 62
+ * engines); -1 otherwise (the generic number protocol handles it). */
+static inline long
+small_mask(PyObject *v)
+{
+    if (!PyLong_CheckExact(v))
+        return -1;
+    int overflow;
+    long x = PyLong_AsLongAndOverflow(v, &overflow);
+    if (overflow || x < 0)
+        return -1;
+    return x;
+}
+
+/* fill(lst, indices, value): lst[i] = value for every i. */
+static PyObject *
+fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fill(lst, indices, value)");
+        return NULL;
+    }
+    PyObject *lst = args[0], *value = args[2];
+    if (check_list(lst) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "indices must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i;
+        if (slot_of(lst, items[k], &i) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        set_slot(lst, i, value);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* scatter(lst, indices, values): lst[i] = v for i, v in zip(indices, values). */
+static PyObject *
+scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter(lst, indices, values)");
+        return NULL;
+    }
+    PyObject *lst = args[0];
+    if (check_list(lst) < 0)
+        return NULL;
+    PyObject *idx = PySequence_Fast(args[1], "indices must be a sequence");
+    if (idx == NULL)
+        return NULL;
+    PyObject *vals = PySequence_Fast(args[2], "values must be a sequence");
+    if (vals == NULL) {
+        Py_DECREF(idx);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(idx);
+    if (PySequence_Fast_GET_SIZE(vals) != n) {
+        PyErr_SetString(PyExc_ValueError, "indices and values differ in length");
+        goto fail;
+    }
+    PyObject **is = PySequence_Fast_ITEMS(idx), **vs = PySequence_Fast_ITEMS(vals);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i;
+        if (slot_of(lst, is[k], &i) < 0)
+            goto fail;
+        set_slot(lst, i, vs[k]);
+    }
+    Py_DECREF(idx);
+    Py_DECREF(vals);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(idx);
+    Py_DECREF(vals);
+    return NULL;
+}
+
+/* add_at(lst, indices, delta): lst[i] += delta for every i (in order). */
+static PyObject *
+add_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add_at(lst, indices, delta)");
+        return NULL;
+    }
+    PyObject *lst = args[0], *delta = args[2];
+    if (check_list(lst) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "indices must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i;
+        if (slot_of(lst, items[k], &i) < 0)
+            goto fail;
+        PyObject *sum = PyNumber_Add(PyList_GET_ITEM(lst, i), delta);
+        if (sum == NULL)
+            goto fail;
+        PyObject *old = PyList_GET_ITEM(lst, i);
+        PyList_SET_ITEM(lst, i, sum);
+        Py_DECREF(old);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* release(ref, blocks): drop one reference from each block, last block first; the
+ * blocks whose count reached zero, in that order. */
+static PyObject *
+release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release(ref, blocks)");
+        return NULL;
+    }
+    PyObject *ref = args[0];
+    if (check_list(ref) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *zero = PyList_New(0);
+    PyObject *zero_int = NULL, *one = NULL;
+    if (zero == NULL)
+        goto fail;
+    zero_int = PyLong_FromLong(0);
+    one = PyLong_FromLong(1);
+    if (zero_int == NULL || one == NULL)
+        goto fail;
+    /* Every count 1 (the request held each block alone): all become 0 together, as
+     * the reference's bulk path does (a block listed twice is freed twice there). */
+    int all_one = 1;
+    for (Py_ssize_t k = 0; k < n; k++) { /* every index checked before any change */
+        Py_ssize_t i;
+        if (slot_of(ref, items[k], &i) < 0)
+            goto fail;
+        if (all_one) {
+            int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ref, i), one, Py_EQ);
+            if (eq < 0)
+                goto fail;
+            all_one = eq;
+        }
+    }
+    for (Py_ssize_t k = n - 1; k >= 0; k--) {
+        Py_ssize_t i;
+        if (slot_of(ref, items[k], &i) < 0)
+            goto fail;
+        if (all_one) {
+            set_slot(ref, i, zero_int);
+        }
+        else {
+            PyObject *r = PyNumber_Subtract(PyList_GET_ITEM(ref, i), one);
+            if (r == NULL)
+                goto fail;
+            PyObject *old = PyList_GET_ITEM(ref, i);
+            PyList_SET_ITEM(ref, i, r);
+            Py_DECREF(old);
+            int t = PyObject_IsTrue(r);
+            if (t < 0)
+                goto fail;
+            if (t)
+                continue;
+        }
+        if (PyList_Append(zero, items[k]) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    Py_DECREF(zero_int);
+    Py_DECREF(one);
+    return zero;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(zero);
+    Py_XDECREF(zero_int);
+    Py_XDECREF(one);
+    return NULL;
+}
+
+/* del_keys(d, keys): del d[k] for every k, in order (KeyError at the first missing). */
+static PyObject *
+del_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "del_keys(d, keys)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    if (check_dict(d) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (PyDict_DelItem(d, items[k]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* prefix_get(d, keys, limit): [d[k] for the leading keys found in d], at most limit. */
+static PyObject *
+prefix_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prefix_get(d, keys, limit)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    if (check_dict(d) < 0)
+        return NULL;
+    Py_ssize_t limit = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (limit < n)
+        n = limit < 0 ? 0 : limit;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyDict_GetItemWithError(d, items[k]); /* borrowed */
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (PyList_Append(out, v) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* prefix_len(d, keys): how many leading keys are in d. */
+static PyObject *
+prefix_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "prefix_len(d, keys)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    if (check_dict(d) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (; k < n; k++) {
+        int has = PyDict_Contains(d, items[k]);
+        if (has < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (!has)
+            break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(k);
+}
+
+/* or_bits(d, keys, bit): every key's mask (0 if absent) gains `bit`; returns how many
+ * masks had it already. All masks are read before any is written, as the reference
+ * reads them in one pass and writes them in a second. */
+static PyObject *
+or_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "or_bits(d, keys, bit)");
+        return NULL;
+    }
+    PyObject *d = args[0], *bit = args[2];
+    if (check_dict(d) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), had = 0, k = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    long sbit = small_mask(bit);
+    PyObject **next = PyMem_Malloc(sizeof(PyObject *) * (n ? n : 1));
+    if (next == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (; k < n; k++) {
+        PyObject *m = PyDict_GetItemWithError(d, items[k]); /* borrowed */
+        if (m == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            Py_INCREF(bit);
+            next[k] = bit; /* 0 | bit */
+            continue;
+        }
+        long mm = small_mask(m);
+        if (mm >= 0 && sbit >= 0) {
+            had += (mm & sbit) != 0;
+            next[k] = PyLong_FromLong(mm | sbit);
+            if (next[k] == NULL)
+                goto fail;
+            continue;
+        }
+        PyObject *both = PyNumber_And(m, bit);
+        if (both == NULL)
+            goto fail;
+        int t = PyObject_IsTrue(both);
+        Py_DECREF(both);
+        if (t < 0)
+            goto fail;
+        had += t;
+        next[k] = PyNumber_Or(m, bit);
+        if (next[k] == NULL)
+            goto fail;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (PyDict_SetItem(d, items[j], next[j]) < 0) {
+            for (Py_ssize_t r = j; r < n; r++)
+                Py_DECREF(next[r]);
+            k = 0;
+            goto fail;
+        }
+        Py_DECREF(next[j]);
+    }
+    PyMem_Free(next);
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(had);
+fail:
+    for (Py_ssize_t r = 0; r < k; r++)
+        Py_DECREF(next[r]);
+    PyMem_Free(next);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* clear_bits(d, keys, bit): each key holding `bit` loses it, in order (an entry left
+ * with no bit is deleted, others keep their place); returns how many lost it. */
+static PyObject *
+clear_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "clear_bits(d, keys, bit)");
+        return NULL;
+    }
+    PyObject *d = args[0], *bit = args[2];
+    if (check_dict(d) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *notbit = PyNumber_Invert(bit);
+    if (notbit == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), removed = 0;
+    long sbit = small_mask(bit);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *m = PyDict_GetItemWithError(d, items[k]); /* borrowed */
+        if (m == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        long mm = small_mask(m);
+        if (mm >= 0 && sbit >= 0) {
+            if (!(mm & sbit))
+                continue;
+            removed++;
+            if (mm == sbit) {
+                if (PyDict_DelItem(d, items[k]) < 0)
+                    goto fail;
+                continue;
+            }
+            PyObject *left = PyLong_FromLong(mm & ~sbit);
+            int rc = left == NULL ? -1 : PyDict_SetItem(d, items[k], left);
+            Py_XDECREF(left);
+            if (rc < 0)
+                goto fail;
+            continue;
+        }
+        PyObject *both = PyNumber_And(m, bit);
+        if (both == NULL)
+            goto fail;
+        int t = PyObject_IsTrue(both);
+        Py_DECREF(both);
+        if (t < 0)
+            goto fail;
+        if (!t)
+            continue;
+        removed++;
+        PyObject *left = PyNumber_And(m, notbit);
+        if (left == NULL)
+            goto fail;
+        int keep = PyObject_IsTrue(left);
+        int rc = keep > 0 ? PyDict_SetItem(d, items[k], left)
+                          : (keep == 0 ? PyDict_DelItem(d, items[k]) : -1);
+        Py_DECREF(left);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_DECREF(notbit);
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(removed);
+fail:
+    Py_DECREF(notbit);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* match_runs(d, keys): the running AND of the leading keys' masks, stopping at the
+ * first absent key or empty AND, as (depth, mask) pairs: the bits the AND lost at
+ * each depth (the engines whose prefix ends there), the bits left at the end last. */
+static PyObject *
+match_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "match_runs(d, keys)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    if (check_dict(d) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), depth = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0), *held = NULL;
+    if (out == NULL)
+        goto fail;
+    for (; depth < n; depth++) {
+        PyObject *m = PyDict_GetItemWithError(d, items[depth]); /* borrowed */
+        if (m == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (held != NULL) {
+            long hm = small_mask(held), mm = small_mask(m);
+            if (hm >= 0 && mm >= 0 && (hm & mm) == hm)
+                continue; /* every engine still holding the prefix holds this block */
+        }
+        PyObject *cur = held == NULL ? (Py_INCREF(m), m) : PyNumber_And(held, m);
+        if (cur == NULL)
+            goto fail;
+        int t = PyObject_IsTrue(cur);
+        if (t <= 0) {
+            Py_DECREF(cur);
+            if (t < 0)
+                goto fail;
+            break;
+        }
+        if (held != NULL) {
+            int same = PyObject_RichCompareBool(cur, held, Py_EQ);
+            if (same < 0) {
+                Py_DECREF(cur);
+                goto fail;
+            }
+            if (!same) {
+                PyObject *lost = PyNumber_Xor(held, cur); /* cur is a subset of held */
+                PyObject *pair = lost ? Py_BuildValue("(nN)", depth, lost) : NULL;
+                if (pair == NULL || PyList_Append(out, pair) < 0) {
+                    Py_XDECREF(pair);
+                    Py_DECREF(cur);
+                    goto fail;
+                }
+                Py_DECREF(pair);
+            }
+            Py_DECREF(held);
+        }
+        held = cur;
+    }
+    if (held != NULL) {
+        PyObject *pair = Py_BuildValue("(nO)", depth, held);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+        Py_DECREF(held);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(held);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* evict(ref, hash_of, cached, blocks): blocks taken from the free queue for new
+ * content: each one's count becomes 1 and the hash it held (if any) is forgotten, in
+ * both maps; the forgotten hashes, in block order. */
+static PyObject *
+evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "evict(ref, hash_of, cached, blocks)");
+        return NULL;
+    }
+    PyObject *ref = args[0], *hash_of = args[1], *cached = args[2];
+    if (check_list(ref) < 0 || check_list(hash_of) < 0 || check_dict(cached) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[3], "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *out = PyList_New(0);
+    if (one == NULL || out == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i, j;
+        if (slot_of(ref, items[k], &i) < 0 || slot_of(hash_of, items[k], &j) < 0)
+            goto fail;
+        set_slot(ref, i, one);
+        PyObject *h = PyList_GET_ITEM(hash_of, j);
+        if (h == Py_None)
+            continue;
+        if (PyList_Append(out, h) < 0) /* holds h while its slot lets go */
+            goto fail;
+        set_slot(hash_of, j, Py_None);
+        if (PyDict_DelItem(cached, h) < 0)
+            goto fail;
+    }
+    Py_DECREF(one);
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(one);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* register(cached, hash_of, blocks, hashes, lo, hi): cached.setdefault(hashes[k],
+ * blocks[k]) for k in [lo, hi). If every hash was new, hash_of[blocks[k]] = hashes[k]
+ * for each and None is returned; otherwise hash_of is left alone and the setdefault
+ * results are returned (the caller sorts out which blocks are new). */
+static PyObject *
+register_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "register(cached, hash_of, blocks, hashes, lo, hi)");
+        return NULL;
+    }
+    PyObject *cached = args[0], *hash_of = args[1];
+    if (check_dict(cached) < 0 || check_list(hash_of) < 0)
+        return NULL;
+    Py_ssize_t lo = PyNumber_AsSsize_t(args[4], PyExc_OverflowError);
+    Py_ssize_t hi = PyNumber_AsSsize_t(args[5], PyExc_OverflowError);
+    if ((lo == -1 || hi == -1) && PyErr_Occurred())
+        return NULL;
+    PyObject *bs = PySequence_Fast(args[2], "blocks must be a sequence");
+    if (bs == NULL)
+        return NULL;
+    PyObject *hs = PySequence_Fast(args[3], "hashes must be a sequence");
+    if (hs == NULL) {
+        Py_DECREF(bs);
+        return NULL;
+    }
+    /* The slices' bounds, as Python clamps them. */
+    Py_ssize_t nb = PySequence_Fast_GET_SIZE(bs), nh = PySequence_Fast_GET_SIZE(hs);
+    if (lo < 0 || hi < lo || hi > nb || hi > nh) {
+        PyErr_SetString(PyExc_ValueError, "register: [lo, hi) outside the blocks or hashes");
+        goto fail;
+    }
+    PyObject **b = PySequence_Fast_ITEMS(bs), **h = PySequence_Fast_ITEMS(hs);
+    Py_ssize_t before = PyDict_GET_SIZE(cached);
+    PyObject *got = PyList_New(hi - lo);
+    if (got == NULL)
+        goto fail;
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        PyObject *g = PyDict_SetDefault(cached, h[k], b[k]); /* borrowed */
+        if (g == NULL) {
+            Py_DECREF(got);
+            goto fail;
+        }
+        Py_INCREF(g);
+        PyList_SET_ITEM(got, k - lo, g);
+    }
+    if (PyDict_GET_SIZE(cached) - before != hi - lo) {
+        Py_DECREF(bs);
+        Py_DECREF(hs);
+        return got;
+    }
+    Py_DECREF(got);
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        Py_ssize_t i;
+        if (slot_of(hash_of, b[k], &i) < 0)
+            goto fail;
+        set_slot(hash_of, i, h[k]);
+    }
+    Py_DECREF(bs);
+    Py_DECREF(hs);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(bs);
+    Py_DECREF(hs);
+    return NULL;
+}
+
+/* hash_run(parent, stream, start, count, step): the chain h_k = hash((h_{k-1}, stream,
+ * start + k * step)) for k < count, from h_{-1} = parent (Python's tuple hash, so the
+ * same numbers as the reference's comprehension). */
+static PyObject *
+hash_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "hash_run(parent, stream, start, count, step)");
+        return NULL;
+    }
+    PyObject *stream = args[1];
+    Py_ssize_t count = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(count > 0 ? count : 0);
+    if (out == NULL)
+        return NULL;
+    PyObject *h = args[0], *off = args[2], *step = args[4];
+    Py_INCREF(h);
+    Py_INCREF(off);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (k > 0) {
+            PyObject *next = PyNumber_Add(off, step);
+            if (next == NULL)
+                goto fail;
+            Py_SETREF(off, next);
+        }
+        PyObject *key = PyTuple_Pack(3, h, stream, off);
+        if (key == NULL)
+            goto fail;
+        Py_hash_t v = PyObject_Hash(key);
+        Py_DECREF(key);
+        if (v == -1 && PyErr_Occurred())
+            goto fail;
+        PyObject *hv = PyLong_FromSsize_t(v);
+        if (hv == NULL)
+            goto fail;
+        Py_INCREF(hv);
+        PyList_SET_ITEM(out, k, hv);
+        Py_SETREF(h, hv);
+    }
+    Py_DECREF(h);
+    Py_DECREF(off);
+    return out;
+fail:
+    Py_DECREF(h);
+    Py_DECREF(off);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
+    {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
+    {"add_at", (PyCFunction)(void (*)(void))add_at, METH_FASTCALL, NULL},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, NULL},
+    {"del_keys", (PyCFunction)(void (*)(void))del_keys, METH_FASTCALL, NULL},
+    {"prefix_get", (PyCFunction)(void (*)(void))prefix_get, METH_FASTCALL, NULL},
+    {"prefix_len", (PyCFunction)(void (*)(void))prefix_len, METH_FASTCALL, NULL},
+    {"or_bits", (PyCFunction)(void (*)(void))or_bits, METH_FASTCALL, NULL},
+    {"clear_bits", (PyCFunction)(void (*)(void))clear_bits, METH_FASTCALL, NULL},
+    {"match_runs", (PyCFunction)(void (*)(void))match_runs, METH_FASTCALL, NULL},
+    {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL, NULL},
+    {"register", (PyCFunction)(void (*)(void))register_run, METH_FASTCALL, NULL},
+    {"hash_run", (PyCFunction)(void (*)(void))hash_run, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_blockops",
+    "Compiled block operations (reference: wasma.core.blockops).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__blockops(void)
+{
+    return PyModule_Create(&module);
+}

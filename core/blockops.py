@@ -1,0 +1,241 @@
+"""Per-block loops of the simulated KV cache and the prefix index, in one place.
+
+A request's KV is a few hundred blocks, and every block passes through a string of
+list and dict updates (reference counts, block -> hash, hash -> block, holder masks).
+These functions are those loops. The Python ones here are the reference; the package
+also builds them in C (`_blockops.c`, same results, same dict order, same exceptions),
+which `block_ops()` returns when it is built. `WASMA_BLOCKOPS=python` picks the
+reference (the tests run both).
+
+The compiled functions take exact lists and dicts only: an OrderedDict keeps an order of
+its own that C-level dict calls would bypass, so its owner uses the reference for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Any, Protocol
+
+
+class BlockOps(Protocol):
+    """What the reference module and the compiled one both provide."""
+
+    def fill(self, lst: list[Any], indices: Sequence[int], value: Any) -> None: ...
+
+    def scatter(self, lst: list[Any], indices: Sequence[int], values: Sequence[Any]) -> None: ...
+
+    def add_at(self, lst: list[int], indices: Sequence[int], delta: int) -> None: ...
+
+    def release(self, ref: list[int], blocks: Sequence[int]) -> list[int]: ...
+
+    def del_keys(self, d: dict[Any, Any], keys: Sequence[Any]) -> None: ...
+
+    def prefix_get(self, d: dict[Any, Any], keys: Sequence[Any], limit: int) -> list[Any]: ...
+
+    def prefix_len(self, d: dict[Any, Any], keys: Sequence[Any]) -> int: ...
+
+    def or_bits(self, d: dict[Any, int], keys: Sequence[Any], bit: int) -> int: ...
+
+    def clear_bits(self, d: dict[Any, int], keys: Sequence[Any], bit: int) -> int: ...
+
+    def match_runs(self, d: dict[Any, int], keys: Sequence[Any]) -> list[tuple[int, int]]: ...
+
+    def evict(
+        self, ref: list[int], hash_of: list[Any], cached: dict[Any, int], blocks: Sequence[int]
+    ) -> list[Any]: ...
+
+    def register(
+        self,
+        cached: dict[Any, int],
+        hash_of: list[Any],
+        blocks: Sequence[int],
+        hashes: Sequence[Any],
+        lo: int,
+        hi: int,
+    ) -> list[int] | None: ...
+
+    def hash_run(
+        self, parent: int, stream: int, start: int, count: int, step: int
+    ) -> list[int]: ...
+
+
+class PythonBlockOps:
+    """The reference implementation."""
+
+    @staticmethod
+    def fill(lst: list[Any], indices: Sequence[int], value: Any) -> None:
+        for i in indices:
+            lst[i] = value
+
+    @staticmethod
+    def scatter(lst: list[Any], indices: Sequence[int], values: Sequence[Any]) -> None:
+        if len(indices) != len(values):
+            raise ValueError("indices and values differ in length")
+        for i, v in zip(indices, values, strict=True):
+            lst[i] = v
+
+    @staticmethod
+    def add_at(lst: list[int], indices: Sequence[int], delta: int) -> None:
+        for i in indices:
+            lst[i] += delta
+
+    @staticmethod
+    def release(ref: list[int], blocks: Sequence[int]) -> list[int]:
+        """Drop one reference from each block, last first; those now at zero, in that
+        order."""
+        if list(map(ref.__getitem__, blocks)).count(1) == len(blocks):
+            # Each block held once (the common case): all are free now.
+            for b in blocks:
+                ref[b] = 0
+            return list(reversed(blocks))
+        zero: list[int] = []
+        for b in reversed(blocks):
+            r = ref[b] - 1
+            ref[b] = r
+            if not r:
+                zero.append(b)
+        return zero
+
+    @staticmethod
+    def del_keys(d: dict[Any, Any], keys: Sequence[Any]) -> None:
+        for k in keys:
+            del d[k]
+
+    @staticmethod
+    def prefix_get(d: dict[Any, Any], keys: Sequence[Any], limit: int) -> list[Any]:
+        """The values of the leading keys found in `d`, at most `limit`."""
+        # map() looks up in C; chunks that double in size stop soon after the first
+        # miss instead of looking up every key of a long chain whose hit is short.
+        get = d.get
+        n = min(limit, len(keys))
+        out: list[Any] = []
+        i, step = 0, 64
+        while i < n:
+            part = list(map(get, keys[i : min(i + step, n)]))
+            if None in part:
+                return out + part[: part.index(None)]
+            out += part
+            i += step
+            step *= 2
+        return out
+
+    @staticmethod
+    def prefix_len(d: dict[Any, Any], keys: Sequence[Any]) -> int:
+        has = d.__contains__
+        n = len(keys)
+        i, step = 0, 64
+        while i < n:
+            part = list(map(has, keys[i : i + step]))
+            if False in part:
+                return i + part.index(False)
+            i += step
+            step *= 2
+        return n
+
+    @staticmethod
+    def or_bits(d: dict[Any, int], keys: Sequence[Any], bit: int) -> int:
+        """Every key's mask (0 if absent) gains `bit`; how many had it already. All
+        masks are read before any is written (a key listed twice counts twice)."""
+        masks = list(map(d.get, keys, repeat(0)))
+        had = sum(1 for m in masks if m & bit) if any(masks) else 0
+        d.update(zip(keys, map(bit.__or__, masks), strict=True))
+        return had
+
+    @staticmethod
+    def clear_bits(d: dict[Any, int], keys: Sequence[Any], bit: int) -> int:
+        """Each key holding `bit` loses it, in order; an entry left with no bit is
+        deleted, the others keep their place. How many lost it."""
+        removed = 0
+        for k in keys:
+            m = d.get(k)
+            if m is None or not m & bit:
+                continue
+            removed += 1
+            m &= ~bit
+            if m:
+                d[k] = m
+            else:
+                del d[k]
+        return removed
+
+    @staticmethod
+    def match_runs(d: dict[Any, int], keys: Sequence[Any]) -> list[tuple[int, int]]:
+        """The running AND of the leading keys' masks, up to the first absent key or
+        empty AND, as (depth, bits lost there) pairs, then (length, bits left)."""
+        out: list[tuple[int, int]] = []
+        held: int | None = None
+        depth = 0
+        for k in keys:
+            m = d.get(k)
+            if m is None:
+                break
+            cur = m if held is None else held & m
+            if not cur:
+                break
+            if held is not None and cur != held:
+                out.append((depth, held ^ cur))
+            held = cur
+            depth += 1
+        if held is not None:
+            out.append((depth, held))
+        return out
+
+    @staticmethod
+    def evict(
+        ref: list[int], hash_of: list[Any], cached: dict[Any, int], blocks: Sequence[int]
+    ) -> list[Any]:
+        """Blocks taken for new content: each count becomes 1 and the hash each held (if
+        any) is forgotten in both maps; those hashes, in block order."""
+        out: list[Any] = []
+        for b in blocks:
+            ref[b] = 1
+            h = hash_of[b]
+            if h is None:
+                continue
+            out.append(h)
+            hash_of[b] = None
+            del cached[h]
+        return out
+
+    @staticmethod
+    def register(
+        cached: dict[Any, int],
+        hash_of: list[Any],
+        blocks: Sequence[int],
+        hashes: Sequence[Any],
+        lo: int,
+        hi: int,
+    ) -> list[int] | None:
+        """`cached.setdefault(hashes[k], blocks[k])` for k in [lo, hi). If every hash was
+        new, each block's `hash_of` is set and None returned; otherwise `hash_of` is left
+        alone and the setdefault results are returned."""
+        if lo < 0 or hi < lo or hi > len(blocks) or hi > len(hashes):
+            raise ValueError("register: [lo, hi) outside the blocks or hashes")
+        before = len(cached)
+        got = list(map(cached.setdefault, hashes[lo:hi], blocks[lo:hi]))
+        if len(cached) - before != hi - lo:
+            return got
+        for k in range(lo, hi):
+            hash_of[blocks[k]] = hashes[k]
+        return None
+
+    @staticmethod
+    def hash_run(parent: int, stream: int, start: int, count: int, step: int) -> list[int]:
+        """The chain h_k = hash((h_{k-1}, stream, start + k * step)), k < count, from
+        h_{-1} = parent."""
+        h = parent
+        return [h := hash((h, stream, off)) for off in range(start, start + count * step, step)]
+
+
+def block_ops() -> BlockOps:
+    """The compiled operations when built (and not turned off), else the reference."""
+    if os.environ.get("WASMA_BLOCKOPS", "") != "python":
+        try:
+            from wasma.core import _blockops  # type: ignore[attr-defined]
+        except ImportError:
+            pass
+        else:
+            return _blockops  # type: ignore[no-any-return]
+    return PythonBlockOps()
