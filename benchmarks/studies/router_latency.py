@@ -10,7 +10,7 @@ at once: no engine, so only the routing path differs), called through a deployme
 handle from this process as Ray's OpenAI ingress calls its `LLMServer`s: `chat(body,
 RawRequestInfo)`, the body vLLM's `ChatCompletionRequest`. Requests are chats of 8
 workflows whose conversations grow a turn a request (a few hundred to ~3000 tokens of
-the tiny model's tokenizer), sent one at a time, the routers interleaved request by
+the tiny model's tokenizer, under its 4096-token context), sent one at a time, the routers interleaved request by
 request (the order rotated each round), every router the same bodies.
 
 Per request, timed around the handle's own router instance (Serve builds it in this
@@ -40,7 +40,7 @@ ROUTERS = ("pow2", "prefix", "wasma")
 WORKFLOWS = 8
 BLOCK = 32
 # A conversation restarts (a new workflow run) once its prompt passes this many words.
-MAX_WORDS = 2400
+MAX_WORDS = 650
 WORDS = (
     "the planner reads each step of the plan and asks the worker agent to check what "
     "its tool returned against the schema before the reviewer agent writes a summary "
@@ -147,6 +147,7 @@ async def measure(
 
     times = {r: Timings() for r in ROUTERS}
     state: Any = None
+    undecided = 0  # wasma requests with no decision to read back (Serve's own pick)
     reqs = conversations(warmup + requests, seed)
     for i, (workflow, messages) in enumerate(reqs):
         timed = i >= warmup
@@ -176,7 +177,8 @@ async def measure(
                     state.placement_of.remote(request_id) if state is not None else _none()
                 )
                 placed = await read
-                print("DBG", i, placed, len(times[r].stages.get("choose", [])), flush=True)
+                if timed and placed is None:
+                    undecided += 1
             t2 = time.perf_counter()
             if timed:
                 times[r].add("call", (t1 - t0) * 1e3)
@@ -193,6 +195,7 @@ async def measure(
             for k in range(n)
         ]
         out[r] = {name: _summary(v) for name, v in {**st, "decision": decision}.items()}
+    out["wasma"]["undecided"] = undecided
     out["tokens"] = _token_counts(model, [m for _, m in reqs[warmup:]])
     return out
 
@@ -215,7 +218,10 @@ def _token_counts(model: str, prompts: list[list[dict[str, str]]]) -> dict[str, 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    counts = sorted(len(tok.apply_chat_template(m, add_generation_prompt=True)) for m in prompts)
+    counts = sorted(
+        len(tok.encode(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)))
+        for m in prompts
+    )
     return {"min": counts[0], "p50": counts[len(counts) // 2], "max": counts[-1]}
 
 
