@@ -9,9 +9,10 @@ Each router routes one Serve app of two trivial replicas (an async method that r
 at once: no engine, so only the routing path differs), called through a deployment
 handle from this process as Ray's OpenAI ingress calls its `LLMServer`s: `chat(body,
 RawRequestInfo)`, the body vLLM's `ChatCompletionRequest`. Requests are chats of 8
-workflows whose conversations grow a turn a request (a few hundred to ~3000 tokens of
-the tiny model's tokenizer, under its 4096-token context), sent one at a time, the routers interleaved request by
-request (the order rotated each round), every router the same bodies.
+workflows whose conversations grow a turn a request (~900 to ~3500 tokens of the tiny
+model's tokenizer, under its 4096-token context), sent one at a time, the routers
+interleaved request by request (the order rotated each round), every router the same
+bodies.
 
 Per request, timed around the handle's own router instance (Serve builds it in this
 process, as it does in each ingress replica): `choose_replicas` (the router's decision;
@@ -31,7 +32,7 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,12 @@ WORKFLOWS = 8
 BLOCK = 32
 # A conversation restarts (a new workflow run) once its prompt passes this many words.
 MAX_WORDS = 650
-WORDS = (
+TEXT = (
     "the planner reads each step of the plan and asks the worker agent to check what "
     "its tool returned against the schema before the reviewer agent writes a summary "
     "of the findings with citations to the retrieved documents and a list of open "
     "questions for the next round of the debate between the two critics"
-).split()
+)
 
 
 class Replica:
@@ -67,7 +68,8 @@ class Timings:
 
 
 def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+    vocabulary = TEXT.split()
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
 def conversations(n: int, seed: int = 0) -> list[tuple[str, list[dict[str, str]]]]:
@@ -127,13 +129,13 @@ def deploy(router: str, model: str) -> Any:
         )
     elif router == "wasma":
         config = RequestRouterConfig(
-            request_router_class="wasma.ray_serve.router:WorkflowRouter",
+            request_router_class="wasma.ray_serve.router:WorkflowRouter",  # type: ignore[arg-type]
             request_router_kwargs={"model": model, "block_size": BLOCK},
         )
     options: dict[str, Any] = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}}
     if config is not None:
         options["request_router_config"] = config
-    app = serve.deployment(Replica, name="Replica").options(**options).bind()
+    app = serve.deployment(name="Replica", **options)(Replica).bind()
     return serve.run(app, name=router, route_prefix=None)
 
 
@@ -144,6 +146,8 @@ async def measure(
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
     from ray.llm._internal.serve.core.protocol import RawRequestInfo
     from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from wasma.ray_serve.router import placement_of
 
     times = {r: Timings() for r in ROUTERS}
     state: Any = None
@@ -156,9 +160,7 @@ async def measure(
             for r, handle in handles.items():
                 rr = handle._router._asyncio_router.request_router
                 rr.choose_replicas = _timed(rr.choose_replicas, times[r], "choose", True)
-                rr.on_request_routed = _timed(
-                    rr.on_request_routed, times[r], "on_routed", False
-                )
+                rr.on_request_routed = _timed(rr.on_request_routed, times[r], "on_routed", False)
             state = ray.get_actor("WasmaScheduling::wasma::Replica", namespace=SERVE_NAMESPACE)
         rnd = i - warmup
         if timed and rnd % 100 == 0:
@@ -166,17 +168,16 @@ async def measure(
         order = ROUTERS[rnd % 3 :] + ROUTERS[: rnd % 3]
         for r in order:
             request_id = uuid.uuid4().hex
-            body = ChatCompletionRequest(model="tiny", messages=messages, max_tokens=1)
+            body = ChatCompletionRequest.model_validate(
+                {"model": "tiny", "messages": messages, "max_tokens": 1}
+            )
             headers = {"x-request-id": request_id, "x-wasma-workflow-id": workflow}
             t0 = time.perf_counter()
             await handles[r].chat.remote(body, RawRequestInfo(headers=headers))
             t1 = time.perf_counter()
             if r == "wasma":
                 # WasmaIngress, once the answer came: the decision for its headers.
-                read: Awaitable[Any] = (
-                    state.placement_of.remote(request_id) if state is not None else _none()
-                )
-                placed = await read
+                placed = await placement_of(handles[r], state, request_id)
                 if timed and placed is None:
                     undecided += 1
             t2 = time.perf_counter()
@@ -198,10 +199,6 @@ async def measure(
     out["wasma"]["undecided"] = undecided
     out["tokens"] = _token_counts(model, [m for _, m in reqs[warmup:]])
     return out
-
-
-async def _none() -> None:
-    return None
 
 
 def _summary(ms: list[float]) -> dict[str, float]:
