@@ -21,6 +21,9 @@ for Ray's prefix router its tree-actor calls and queue-length probes), its
 blocking), and for wasma the decision read back as `WasmaIngress` does for the
 `x-wasma-*` headers (Ray's ingress does no such call). `decision` is their sum; `call`
 is the whole handle call (routing, Serve's queue-length probe, the replica's no-op).
+`wasma` reads the decision from the handle's own `WorkflowRouter`, in this process, as
+`WasmaIngress` does; `wasma_actor` (a second app, with its own state) asks the state
+actor for it instead, one more round trip: the ingress's path before it read the router.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROUTERS = ("pow2", "prefix", "wasma")
+# `wasma_actor`: `WorkflowRouter` with its decision read back from the state actor (a
+# second round trip a request), as `WasmaIngress` did before it read its router's.
+ROUTERS = ("pow2", "prefix", "wasma", "wasma_actor")
+WASMA = ("wasma", "wasma_actor")
 WORKFLOWS = 8
 BLOCK = 32
 # A conversation restarts (a new workflow run) once its prompt passes this many words.
@@ -127,7 +133,7 @@ def deploy(router: str, model: str) -> Any:
         config = RequestRouterConfig(
             request_router_class=PrefixCacheAffinityRouter  # type: ignore[arg-type]
         )
-    elif router == "wasma":
+    elif router in WASMA:
         config = RequestRouterConfig(
             request_router_class="wasma.ray_serve.router:WorkflowRouter",  # type: ignore[arg-type]
             request_router_kwargs={"model": model, "block_size": BLOCK},
@@ -150,7 +156,7 @@ async def measure(
     from wasma.ray_serve.router import placement_of
 
     times = {r: Timings() for r in ROUTERS}
-    state: Any = None
+    states: dict[str, Any] = {}
     undecided = 0  # wasma requests with no decision to read back (Serve's own pick)
     reqs = conversations(warmup + requests, seed)
     for i, (workflow, messages) in enumerate(reqs):
@@ -161,11 +167,15 @@ async def measure(
                 rr = handle._router._asyncio_router.request_router
                 rr.choose_replicas = _timed(rr.choose_replicas, times[r], "choose", True)
                 rr.on_request_routed = _timed(rr.on_request_routed, times[r], "on_routed", False)
-            state = ray.get_actor("WasmaScheduling::wasma::Replica", namespace=SERVE_NAMESPACE)
+            states = {
+                r: ray.get_actor(f"WasmaScheduling::{r}::Replica", namespace=SERVE_NAMESPACE)
+                for r in WASMA
+            }
         rnd = i - warmup
         if timed and rnd % 100 == 0:
             print(f"  round {rnd}/{requests}", flush=True)
-        order = ROUTERS[rnd % 3 :] + ROUTERS[: rnd % 3]
+        k = rnd % len(ROUTERS)
+        order = ROUTERS[k:] + ROUTERS[:k]
         for r in order:
             request_id = uuid.uuid4().hex
             body = ChatCompletionRequest.model_validate(
@@ -175,15 +185,19 @@ async def measure(
             t0 = time.perf_counter()
             await handles[r].chat.remote(body, RawRequestInfo(headers=headers))
             t1 = time.perf_counter()
-            if r == "wasma":
+            if r in WASMA:
                 # WasmaIngress, once the answer came: the decision for its headers.
-                placed = await placement_of(handles[r], state, request_id)
+                state = states.get(r)
+                if r == "wasma":
+                    placed = await placement_of(handles[r], state, request_id)
+                else:
+                    placed = await state.placement_of.remote(request_id) if state else None
                 if timed and placed is None:
                     undecided += 1
             t2 = time.perf_counter()
             if timed:
                 times[r].add("call", (t1 - t0) * 1e3)
-                if r == "wasma":
+                if r in WASMA:
                     times[r].add("read_back", (t2 - t1) * 1e3)
     out: dict[str, Any] = {}
     for r in ROUTERS:
@@ -196,7 +210,10 @@ async def measure(
             for k in range(n)
         ]
         out[r] = {name: _summary(v) for name, v in {**st, "decision": decision}.items()}
-    out["wasma"]["undecided"] = undecided
+    out["wasma"]["undecided"] = undecided  # both wasma apps place the same requests
+    # What the decision is made of: the policy's own time in the state actor (the render
+    # is timed apart, in `main`).
+    out["wasma"]["policy_us"] = await states["wasma"].decision_us.remote()
     out["tokens"] = _token_counts(model, [m for _, m in reqs[warmup:]])
     return out
 
@@ -209,6 +226,24 @@ def _summary(ms: list[float]) -> dict[str, float]:
         "p95_ms": round(s[int(0.95 * (len(s) - 1))], 3),
         "mean_ms": round(statistics.fmean(s), 3),
     }
+
+
+def _render_cost(model: str, prompts: list[list[dict[str, str]]]) -> dict[str, float]:
+    """Milliseconds a `SchedulingState` takes to render and hash each prompt (and match
+    its blocks against an empty index), run here: the part of wasma's decision that Ray's
+    routers, which match text, do not have."""
+    from wasma.ray_serve.scheduling import SchedulingState
+
+    st = SchedulingState(model=model, block_size=BLOCK)
+    bodies = [{"model": "tiny", "messages": m, "max_tokens": 1} for m in prompts]
+    for b in bodies[:20]:
+        st.cached_blocks(b, "chat")
+    ms = []
+    for b in bodies:
+        t0 = time.perf_counter()
+        st.cached_blocks(b, "chat")
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return _summary(ms)
 
 
 def _token_counts(model: str, prompts: list[list[dict[str, str]]]) -> dict[str, int]:
@@ -226,6 +261,7 @@ NAMES = {
     "pow2": "PowerOfTwoChoicesRequestRouter",
     "prefix": "PrefixCacheAffinityRouter",
     "wasma": "WorkflowRouter",
+    "wasma_actor": "WorkflowRouter, read back from the actor",
 }
 
 
@@ -244,6 +280,11 @@ def table(out: dict[str, Any]) -> str:
         rows.append(f"| `{NAMES[r]}` | " + " | ".join(cell(r, s) for s in stages) + " |")
     added = out["wasma"]["decision"]["p50_ms"] - out["prefix"]["decision"]["p50_ms"]
     rows.append(f"\nadded p50 decision latency, WorkflowRouter over prefix: {added:+.2f} ms")
+    render = out["wasma"]["render"]
+    rows.append(
+        f"wasma's render of the same prompts, in-process: {render['p50_ms']:.2f} / "
+        f"{render['p95_ms']:.2f} ms; its policy: {out['wasma']['policy_us']['p50']:.0f} us p50"
+    )
     return "\n".join(rows)
 
 
@@ -287,6 +328,9 @@ def main() -> int:
     finally:
         serve.shutdown()
     out["wall_s"] = round(time.monotonic() - t0, 1)
+    # The render (vLLM's renderer, the tokenizer) of the same prompts, in this process.
+    prompts = [m for _, m in conversations(args.warmup + args.requests, args.seed)]
+    out["wasma"]["render"] = _render_cost(model, prompts[args.warmup :])
     print(table(out))
     print(f"prompt tokens: {out['tokens']}")
     if args.out:
