@@ -40,6 +40,7 @@ from starlette.responses import StreamingResponse
 
 from wasma.deploy.api import ApiAnswer, error_answer, parse_json, parse_request
 from wasma.deploy.metadata import MetadataError, workflow_identity
+from wasma.ray_serve.router import placement_of
 from wasma.ray_serve.server import Whole
 
 # Replicas that may die under one request before it fails (Serve replaces a dead one).
@@ -126,10 +127,12 @@ class WasmaIngress(OpenAiIngress):
         if request_id:
             # x-request-id: Serve's proxy echoes it on every answer (setting it here too
             # would send it twice).
-            state = self._state(await self._get_model_id(body.model))
+            model_id = await self._get_model_id(body.model)
+            state = self._state(model_id)
             if state is not None:
                 # Routing is done: Ray's ingress awaited the first chunk above.
-                placed = await state.placement_of.remote(request_id)
+                handle = self._get_configured_serve_handle(model_id)
+                placed = await placement_of(handle, state, request_id)
                 if placed is not None:
                     response.headers["x-wasma-engine"] = placed[0]
                     response.headers["x-wasma-placement"] = placed[1]
@@ -217,7 +220,7 @@ class WasmaIngress(OpenAiIngress):
                 events = self._telling_completion(events, state, request_id)
             response = StreamingResponse(events, media_type="text/event-stream")
         if state is not None and kind != "count_tokens":
-            placed = await state.placement_of.remote(request_id)
+            placed = await placement_of(handle, state, request_id)
             if placed is not None:
                 response.headers["x-wasma-engine"] = placed[0]
                 response.headers["x-wasma-placement"] = placed[1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,10 @@ from ray.serve.request_router import (
 from wasma.ray_serve.scheduling import MetadataError, SchedulingState
 
 logger = logging.getLogger("ray.serve")
+
+# Decisions a router keeps for its ingress to read (x-wasma-engine) without asking the
+# state again: each is read once, as its answer goes out; far more than are in flight.
+KEEP_PLACED = 10_000
 
 # Ray runs the shared state as an actor with no CPU of its own (like Ray's prefix tree):
 # it must not take a core from the replicas' placement groups.
@@ -180,6 +185,13 @@ class WorkflowRouter(RequestRouter):
             state_actor,
             frontend,
         )
+        # (replica id, placement kind) by request id, for `placement_of`.
+        self._placed: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+    def placement_of(self, request_id: str) -> tuple[str, str] | None:
+        """The decision this router got for `request_id` (once: it is forgotten here),
+        as the state's `placement_of` answers; None when it placed no such request."""
+        return self._placed.pop(request_id, None)
 
     async def choose_replicas(
         self,
@@ -199,13 +211,21 @@ class WorkflowRouter(RequestRouter):
         request_id = headers.get("x-request-id") or meta.request_id
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         try:
-            chosen = await self._state.place.remote(
+            # One call places and answers the placement kind: the ingress reads it from
+            # this router (`placement_of`), in its own process.
+            decided = await self._state.decide.remote(
                 list(by_id), request_id, meta.internal_request_id, headers, body, kind
             )
         except MetadataError as exc:  # the ingress rejects these first; never fatal here
             logger.warning("wasma: %s", exc)
             return [candidate_replicas]
-        replica = by_id.get(chosen) if chosen is not None else None
+        if decided is None:
+            return [candidate_replicas]
+        self._placed[request_id] = (decided[0], decided[1])
+        self._placed.move_to_end(request_id)
+        while len(self._placed) > KEEP_PLACED:
+            self._placed.popitem(last=False)
+        replica = by_id.get(decided[0])
         if replica is None:
             return [candidate_replicas]
         return [[replica]]
@@ -237,3 +257,30 @@ class WorkflowRouter(RequestRouter):
         super().update_replicas(replicas)
         for replica_id in gone:
             self._state.replica_died.remote(replica_id.to_full_id_str())
+
+
+def handle_router(handle: Any) -> WorkflowRouter | None:
+    """The `WorkflowRouter` Serve built in this process for deployment handle `handle`
+    (shared by the handles `.options()` derives from it), or None: another router, none
+    built yet, or a Serve whose handles are laid out otherwise. Serve keeps it behind
+    the handle's private router; reading it there spares an actor call a request."""
+    router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    # The attribute, not the `request_router` property: that one would build a router.
+    request_router = getattr(router, "_request_router", None)
+    # By duck type: the class Serve built may be a by-value copy of this module's.
+    if callable(getattr(request_router, "placement_of", None)) and hasattr(
+        request_router, "_placed"
+    ):
+        return request_router
+    return None
+
+
+async def placement_of(handle: Any, state: Any, request_id: str) -> tuple[str, str] | None:
+    """(replica id, placement kind) of request `request_id`, sent through `handle`: from
+    the handle's `WorkflowRouter` in this process where it placed it, else from the
+    scheduling actor `state` (one round trip)."""
+    router = handle_router(handle)
+    placed = router.placement_of(request_id) if router is not None else None
+    if placed is None and state is not None:
+        placed = await state.placement_of.remote(request_id)
+    return None if placed is None else (str(placed[0]), str(placed[1]))

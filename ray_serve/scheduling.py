@@ -208,6 +208,20 @@ class SchedulingState:
         `PLACED_KINDS`; None: chat or completion, by the body's fields); None when it
         carries no prompt to place (the caller falls back to Serve's own choice). Bad
         workflow metadata raises `MetadataError`."""
+        decided = self.decide(candidates, request_id, internal_id, headers, body, kind)
+        return None if decided is None else decided[0]
+
+    def decide(
+        self,
+        candidates: Sequence[str],
+        request_id: str,
+        internal_id: str,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        kind: str | None = None,
+    ) -> tuple[str, str] | None:
+        """`place`, answering (replica, placement kind) as `placement_of` will: the
+        router hands both to its ingress, which then needs no second call."""
         if not candidates:
             return None
         self._apply_kv_events()
@@ -216,7 +230,7 @@ class SchedulingState:
             if d.replica in candidates:
                 # Serve asks again when its pick was full or slow to answer: same answer,
                 # charged once.
-                return d.replica
+                return d.replica, d.placement
             # Its replica went away before it was sent: release the charge, place anew.
             self.ctx.state.on_finish(internal_id)
         ident = workflow_identity(headers, body)
@@ -284,7 +298,7 @@ class SchedulingState:
                 self._conversations.popitem(last=False)
         self._last_seen[wkey] = now
         self._sweep(now)
-        return replica
+        return replica, decision.placement
 
     def _render(
         self,

@@ -49,6 +49,21 @@ def test_children_follow_their_parent() -> None:
             assert st.placement_of(f"c{w}.{k}") == (parent, "reuse")
 
 
+def test_decide_answers_what_placement_of_reads() -> None:
+    """The router's one call: the replica and the placement kind the ingress's headers
+    name, the same on Serve's retry of the request."""
+    st = SchedulingState()
+    base = doc("d-")
+    first = st.decide(REPLICAS, "p", "ip", wf("w", "plan"), body(base))
+    assert first is not None and first == st.placement_of("p")
+    assert first[1] == "recompute"
+    st.completed("ip")
+    child = st.decide(REPLICAS, "c", "ic", wf("w", "map", "plan"), body(base + " more"))
+    assert child == (first[0], "reuse") == st.placement_of("c")
+    assert st.decide(REPLICAS, "c", "ic", wf("w", "map", "plan"), body(base)) == child
+    assert st.decide(REPLICAS, "e", "ie", {}, {"input": "embed me"}) is None
+
+
 def test_forget_starts_over_cold() -> None:
     st = SchedulingState()
     base = doc("f-")
