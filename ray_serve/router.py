@@ -37,6 +37,7 @@ from ray.serve.request_router import (
     RequestRouter,
     RunningReplica,
 )
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from wasma.ray_serve.scheduling import MetadataError, SchedulingState
 
@@ -70,8 +71,17 @@ def scheduling_actor(
     if state_actor is not None:
         return state_actor
     name = state_name or f"WasmaScheduling::{deployment.app_name}::{deployment.name}"
+    # Outside any placement group: created from a replica, it would otherwise be captured
+    # by that replica's group and die with it (Ray removes a killed replica's group).
+    # Ray documents `placement_group=None` as "explicitly not in one"; its hint says
+    # PlacementGroup only (tests/ray_serve/test_state_actor.py checks the behaviour).
+    outside = PlacementGroupSchedulingStrategy(placement_group=None)  # type: ignore[arg-type]
     state = SchedulingActor.options(
-        name=name, namespace=SERVE_NAMESPACE, get_if_exists=True, lifetime="detached"
+        name=name,
+        namespace=SERVE_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        scheduling_strategy=outside,
     ).remote(policy, profile, model, dict(params or {}), block_size, dict(frontend or {}))
     try:
         controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
