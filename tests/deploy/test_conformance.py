@@ -380,13 +380,18 @@ def test_same_answer_as_vllm(name: str, vllm_api_server: tuple[str, str], wasma_
 def _assert_same_answer(name: str, server: str, wasma: str) -> None:
     """Corpus request `name` sent to the server and through wasma: equal answers."""
     path, body = CORPUS[name]
+    _assert_same(server, wasma, path, body, name)
+
+
+def _assert_same(server: str, wasma: str, path: str, body: Any, label: str) -> None:
+    """`body` to `path` on the server and through wasma: equal answers."""
     with httpx.Client(timeout=120) as client:
         direct = _answer(_send(client, server, path, body))
         through = _answer(_send(client, wasma, path, body))
     # As text, one field a line: a difference shows as the lines that differ.
     assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
         direct, indent=1, sort_keys=True
-    ), name
+    ), label
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
@@ -431,12 +436,7 @@ def test_streamed_stop_string_spanning_events_is_held_back_as_vllm_does(
     path, body = chat(max_tokens=16) if kind == "chat" else comp(max_tokens=16)
     stop = _spanning_stop(server, path, body)
     body = {**body, "stream": True, "stop": [stop], "include_stop_str_in_output": include}
-    with httpx.Client(timeout=120) as client:
-        direct = _answer(_send(client, server, path, body))
-        through = _answer(_send(client, wasma_tokens_url, path, body))
-    assert json.dumps(through, indent=1, sort_keys=True) == json.dumps(
-        direct, indent=1, sort_keys=True
-    ), stop
+    _assert_same(server, wasma_tokens_url, path, body, stop)
 
 
 def test_placement_hashes_the_ids_the_engine_caches(
