@@ -738,6 +738,291 @@ fail:
     return NULL;
 }
 
+/* a < b as Python says it; exact floats (the use times) compared in C. */
+static inline int
+less_than(PyObject *a, PyObject *b)
+{
+    if (PyFloat_CheckExact(a) && PyFloat_CheckExact(b))
+        return PyFloat_AS_DOUBLE(a) < PyFloat_AS_DOUBLE(b);
+    return PyObject_RichCompareBool(a, b, Py_LT);
+}
+
+/* retain_uses(retained, hashes, use_at): one more use at use_at for each hash, in
+ * order: a new list [use_at], or use_at inserted into the hash's sorted list (at the
+ * front when sooner than its first use, else after every use not later, as
+ * bisect.insort). Returns the set of hashes whose first use became sooner. */
+static PyObject *
+retain_uses(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "retain_uses(retained, hashes, use_at)");
+        return NULL;
+    }
+    PyObject *retained = args[0], *use_at = args[2];
+    if (check_dict(retained) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *sooner = PySet_New(NULL);
+    if (sooner == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *h = items[k];
+        PyObject *uses = PyDict_GetItemWithError(retained, h); /* borrowed */
+        if (uses == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            PyObject *fresh = PyList_New(1);
+            if (fresh == NULL)
+                goto fail;
+            Py_INCREF(use_at);
+            PyList_SET_ITEM(fresh, 0, use_at);
+            int rc = PyDict_SetItem(retained, h, fresh);
+            Py_DECREF(fresh);
+            if (rc < 0)
+                goto fail;
+            continue;
+        }
+        if (check_list(uses) < 0)
+            goto fail;
+        Py_INCREF(uses); /* comparisons below may run Python code */
+        Py_ssize_t m = PyList_GET_SIZE(uses);
+        if (m == 0) {
+            Py_DECREF(uses);
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto fail;
+        }
+        int lt = less_than(use_at, PyList_GET_ITEM(uses, 0));
+        if (lt < 0) {
+            Py_DECREF(uses);
+            goto fail;
+        }
+        if (lt) {
+            if (PyList_Insert(uses, 0, use_at) < 0 || PySet_Add(sooner, h) < 0) {
+                Py_DECREF(uses);
+                goto fail;
+            }
+            Py_DECREF(uses);
+            continue;
+        }
+        /* bisect_right: the first position whose item is greater than use_at. */
+        Py_ssize_t lo = 0, hi = PyList_GET_SIZE(uses);
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            PyObject *item = PyList_GET_ITEM(uses, mid);
+            Py_INCREF(item);
+            int less = less_than(use_at, item);
+            Py_DECREF(item);
+            if (less < 0) {
+                Py_DECREF(uses);
+                goto fail;
+            }
+            if (less)
+                hi = mid;
+            else
+                lo = mid + 1;
+            if (hi > PyList_GET_SIZE(uses))
+                hi = PyList_GET_SIZE(uses);
+        }
+        int rc = PyList_Insert(uses, lo, use_at);
+        Py_DECREF(uses);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return sooner;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(sooner);
+    return NULL;
+}
+
+/* Python's `a == b` / `a != b` as a truth value (no identity shortcut, unlike
+ * PyObject_RichCompareBool). */
+static int
+compare_is_true(PyObject *a, PyObject *b, int op)
+{
+    if (PyFloat_CheckExact(a) && PyFloat_CheckExact(b)) {
+        double x = PyFloat_AS_DOUBLE(a), y = PyFloat_AS_DOUBLE(b);
+        return op == Py_EQ ? x == y : x != y;
+    }
+    PyObject *r = PyObject_RichCompare(a, b, op);
+    if (r == NULL)
+        return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+/* release_uses(retained, hashes, use_at): undo one retain_uses: in order, a hash
+ * absent is skipped; one with a single use is deleted (into `gone`); one whose first
+ * use is use_at loses it (into `moved` when its new first use differs); otherwise
+ * use_at is removed from its list (ValueError if absent). Returns (gone, moved). */
+static PyObject *
+release_uses(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "release_uses(retained, hashes, use_at)");
+        return NULL;
+    }
+    PyObject *retained = args[0], *use_at = args[2];
+    if (check_dict(retained) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *gone = PyList_New(0), *moved = PyList_New(0), *uses = NULL;
+    if (gone == NULL || moved == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *h = items[k];
+        uses = PyDict_GetItemWithError(retained, h);
+        if (uses == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        if (check_list(uses) < 0) {
+            uses = NULL;
+            goto fail;
+        }
+        Py_INCREF(uses);
+        Py_ssize_t m = PyList_GET_SIZE(uses);
+        if (m == 1) {
+            if (PyDict_DelItem(retained, h) < 0 || PyList_Append(gone, h) < 0)
+                goto fail;
+            Py_CLEAR(uses);
+            continue;
+        }
+        if (m == 0) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto fail;
+        }
+        int eq = compare_is_true(PyList_GET_ITEM(uses, 0), use_at, Py_EQ);
+        if (eq < 0)
+            goto fail;
+        if (eq) {
+            if (PyList_SetSlice(uses, 0, 1, NULL) < 0)
+                goto fail;
+            if (PyList_GET_SIZE(uses) == 0) {
+                PyErr_SetString(PyExc_IndexError, "list index out of range");
+                goto fail;
+            }
+            int ne = compare_is_true(PyList_GET_ITEM(uses, 0), use_at, Py_NE);
+            if (ne < 0)
+                goto fail;
+            if (ne && PyList_Append(moved, h) < 0)
+                goto fail;
+        }
+        else { /* uses.remove(use_at): the first item equal (identity first) */
+            Py_ssize_t j = 0;
+            for (; j < PyList_GET_SIZE(uses); j++) {
+                PyObject *item = PyList_GET_ITEM(uses, j);
+                Py_INCREF(item);
+                int same = item == use_at ? 1 : compare_is_true(item, use_at, Py_EQ);
+                Py_DECREF(item);
+                if (same < 0)
+                    goto fail;
+                if (same)
+                    break;
+            }
+            if (j == PyList_GET_SIZE(uses)) {
+                PyErr_SetString(PyExc_ValueError, "list.remove(x): x not in list");
+                goto fail;
+            }
+            if (PyList_SetSlice(uses, j, j + 1, NULL) < 0)
+                goto fail;
+        }
+        Py_CLEAR(uses);
+    }
+    Py_DECREF(seq);
+    PyObject *out = PyTuple_Pack(2, gone, moved);
+    Py_DECREF(gone);
+    Py_DECREF(moved);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(uses);
+    Py_XDECREF(gone);
+    Py_XDECREF(moved);
+    return NULL;
+}
+
+/* free_cached(cached, ref, run_of, hashes, want, also_type, also): for each hash in
+ * order, the block cached[h] when present, its count ref[b] is 0 (false), it is not
+ * listed yet, and type(run_of[b]) is `want`, or (with `also` non-empty) is `also_type`
+ * and h is in `also`. */
+static PyObject *
+free_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "free_cached(cached, ref, run_of, hashes, want, also_type, also)");
+        return NULL;
+    }
+    PyObject *cached = args[0], *ref = args[1], *run_of = args[2];
+    PyObject *want = args[4], *also_type = args[5], *also = args[6];
+    if (check_dict(cached) < 0 || check_list(ref) < 0 || check_list(run_of) < 0)
+        return NULL;
+    int use_also = PyObject_IsTrue(also);
+    if (use_also < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[3], "hashes must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0), *seen = PySet_New(NULL);
+    if (out == NULL || seen == NULL)
+        goto fail;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *h = items[k];
+        PyObject *b = PyDict_GetItemWithError(cached, h); /* borrowed */
+        if (b == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        Py_ssize_t i;
+        if (slot_of(ref, b, &i) < 0)
+            goto fail;
+        int held = PyObject_IsTrue(PyList_GET_ITEM(ref, i));
+        if (held < 0)
+            goto fail;
+        if (held)
+            continue;
+        int dup = PySet_Contains(seen, b);
+        if (dup < 0)
+            goto fail;
+        if (dup)
+            continue;
+        if (slot_of(run_of, b, &i) < 0)
+            goto fail;
+        PyObject *kind = (PyObject *)Py_TYPE(PyList_GET_ITEM(run_of, i));
+        int take = kind == want;
+        if (!take && use_also && kind == also_type) {
+            take = PySequence_Contains(also, h);
+            if (take < 0)
+                goto fail;
+        }
+        if (take && (PySet_Add(seen, b) < 0 || PyList_Append(out, b) < 0))
+            goto fail;
+    }
+    Py_DECREF(seq);
+    Py_DECREF(seen);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    Py_XDECREF(seen);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
@@ -752,6 +1037,9 @@ static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL, NULL},
     {"register", (PyCFunction)(void (*)(void))register_run, METH_FASTCALL, NULL},
     {"hash_run", (PyCFunction)(void (*)(void))hash_run, METH_FASTCALL, NULL},
+    {"retain_uses", (PyCFunction)(void (*)(void))retain_uses, METH_FASTCALL, NULL},
+    {"release_uses", (PyCFunction)(void (*)(void))release_uses, METH_FASTCALL, NULL},
+    {"free_cached", (PyCFunction)(void (*)(void))free_cached, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

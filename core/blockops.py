@@ -14,9 +14,11 @@ its own that C-level dict calls would bypass, so its owner uses the reference fo
 from __future__ import annotations
 
 import os
+from bisect import insort
+from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
-from typing import Any, Protocol
+from itertools import compress, repeat
+from typing import Any, Protocol, cast
 
 
 class BlockOps(Protocol):
@@ -58,6 +60,25 @@ class BlockOps(Protocol):
 
     def hash_run(
         self, parent: int, stream: int, start: int, count: int, step: int
+    ) -> list[int]: ...
+
+    def retain_uses(
+        self, retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any
+    ) -> set[Any]: ...
+
+    def release_uses(
+        self, retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any
+    ) -> tuple[list[Any], list[Any]]: ...
+
+    def free_cached(
+        self,
+        cached: dict[Any, int],
+        ref: list[int],
+        run_of: list[Any],
+        hashes: Sequence[Any],
+        want: type,
+        also_type: type,
+        also: set[Any] | None,
     ) -> list[int]: ...
 
 
@@ -227,6 +248,92 @@ class PythonBlockOps:
         h_{-1} = parent."""
         h = parent
         return [h := hash((h, stream, off)) for off in range(start, start + count * step, step)]
+
+    @staticmethod
+    def retain_uses(retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any) -> set[Any]:
+        """One more use at `use_at` for each hash (a hash listed twice gets two): a new
+        use list, or `use_at` sorted into the hash's list (after equal times). The
+        hashes whose soonest use became sooner."""
+        if retained.keys().isdisjoint(hashes):
+            # Nothing of it retained yet (the common case): one new use list a hash, made
+            # in C. A hash listed twice is left to the loop, which gives it two uses.
+            fresh = dict(zip(hashes, map(list, repeat((use_at,), len(hashes))), strict=True))
+            if len(fresh) == len(hashes):
+                retained.update(fresh)
+                return set()
+        get = retained.get
+        sooner: set[Any] = set()
+        for h in hashes:
+            uses = get(h)  # sorted: the first is the soonest
+            if uses is None:
+                retained[h] = [use_at]
+            elif use_at < uses[0]:
+                uses.insert(0, use_at)
+                sooner.add(h)
+            else:
+                insort(uses, use_at)
+        return sooner
+
+    @staticmethod
+    def release_uses(
+        retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Undo one `retain_uses(retained, hashes, use_at)`: a hash whose last use this
+        was is deleted; otherwise the use is taken out of its list. Returns the hashes
+        deleted and those whose soonest use became later, in order."""
+        uses_of = list(map(retained.get, hashes))
+        if None not in uses_of and sum(map(len, uses_of)) == len(uses_of):  # type: ignore[arg-type]
+            # This retention was the only holder of each (the common case): all go.
+            # pop() with a default keeps a hash listed twice from failing.
+            deque(map(retained.pop, hashes, repeat(None)), maxlen=0)
+            return list(dict.fromkeys(hashes)), []
+        gone: list[Any] = []
+        moved: list[Any] = []
+        get = retained.get
+        for h in hashes:
+            uses = get(h)  # sorted: the first is the soonest
+            if uses is None:
+                continue
+            if len(uses) == 1:
+                del retained[h]
+                gone.append(h)
+            elif uses[0] == use_at:
+                del uses[0]
+                if uses[0] != use_at:
+                    moved.append(h)
+            else:
+                uses.remove(use_at)
+        return gone, moved
+
+    @staticmethod
+    def free_cached(
+        cached: dict[Any, int],
+        ref: list[int],
+        run_of: list[Any],
+        hashes: Sequence[Any],
+        want: type,
+        also_type: type,
+        also: set[Any] | None,
+    ) -> list[int]:
+        """The free blocks (count 0) holding these hashes whose queue run is of type
+        `want` (or of `also_type`, for a hash in `also`), in hash order, each once."""
+        seen: set[int] = set()
+        out: list[int] = []
+        # Most of a chain is held by running requests or not cached: look every hash up
+        # in C and keep the free blocks in one pass before the per-block checks.
+        blocks = list(map(cached.get, hashes))
+        is_free = [b is not None and not ref[b] for b in blocks]
+        pairs = cast(
+            list[tuple[Any, int]], list(compress(zip(hashes, blocks, strict=True), is_free))
+        )
+        for h, b in pairs:
+            if b in seen:
+                continue
+            kind = type(run_of[b])
+            if kind is want or (also and kind is also_type and h in also):
+                seen.add(b)
+                out.append(b)
+        return out
 
 
 def block_ops() -> BlockOps:

@@ -15,12 +15,11 @@ not one OrderedDict operation per block, with the same order as a per-block queu
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import compress, groupby, repeat
+from itertools import compress, groupby
 from operator import itemgetter, not_
-from typing import cast
 
 from wasma.core.blockops import BlockOps, block_ops
 
@@ -313,30 +312,8 @@ class KVCache:
         """Keep these blocks, once free, behind every ordinary free block, until
         `release`. `use_at` is when the holder next wants them (steps-to-use): among
         retained blocks, those wanted latest are evicted first."""
-        retained = self.retained
-        if retained.keys().isdisjoint(block_hashes):
-            # Nothing of it retained yet (the common case): one new use list a hash, made
-            # in C. A hash listed twice is left to the loop, which gives it two uses.
-            lists = map(list, repeat((use_at,), len(block_hashes)))
-            fresh: dict[int, list[float]] = dict(zip(block_hashes, lists, strict=True))
-            if len(fresh) == len(block_hashes):
-                retained.update(fresh)
-                move = self._free_cached(block_hashes, kept_tier=False)
-                if move:
-                    self._unqueue(move)
-                    self._queue_kept(move)
-                return
-        get = retained.get
-        sooner: set[int] = set()  # retained already, now wanted sooner: queued anew
-        for h in block_hashes:
-            uses = get(h)  # sorted: the first is the soonest
-            if uses is None:
-                retained[h] = [use_at]
-            elif use_at < uses[0]:
-                uses.insert(0, use_at)
-                sooner.add(h)
-            else:
-                insort(uses, use_at)
+        # Retained already and now wanted sooner: queued anew.
+        sooner = self._ops.retain_uses(self.retained, block_hashes, use_at)
         move = self._free_cached(block_hashes, kept_tier=False, also_kept=sooner)
         if move:
             self._unqueue(move)
@@ -345,33 +322,7 @@ class KVCache:
     def release(self, block_hashes: Sequence[int], use_at: float = _NEVER) -> None:
         """Undo one `retain(block_hashes, use_at)`: free blocks nothing retains now rejoin
         the ordinary queue; the rest take their next holder's use time."""
-        retained = self.retained
-        uses_of = list(map(retained.get, block_hashes))
-        if None not in uses_of and sum(map(len, cast(list[list[float]], uses_of))) == len(uses_of):
-            # This retention was the only holder of each (the common case): all go back.
-            # pop() with a default keeps a hash listed twice from failing.
-            deque(map(retained.pop, block_hashes, repeat(None)), maxlen=0)
-            move = self._free_cached(block_hashes, kept_tier=True)
-            if move:
-                self._unqueue(move)
-                self._queue_back(move)
-            return
-        gone: list[int] = []
-        moved: list[int] = []
-        get = retained.get
-        for h in block_hashes:
-            uses = get(h)  # sorted: the first is the soonest
-            if uses is None:
-                continue
-            if len(uses) == 1:
-                del retained[h]
-                gone.append(h)
-            elif uses[0] == use_at:
-                del uses[0]
-                if uses[0] != use_at:
-                    moved.append(h)
-            else:
-                uses.remove(use_at)
+        gone, moved = self._ops.release_uses(self.retained, block_hashes, use_at)
         move = self._free_cached(gone, kept_tier=True)
         if move:
             self._unqueue(move)
@@ -386,26 +337,11 @@ class KVCache:
         self, hashes: Sequence[int], kept_tier: bool, also_kept: set[int] | None = None
     ) -> list[int]:
         """The free blocks in one tier holding these hashes, in hash order (with
-        `also_kept`, those of these hashes in the retention tier as well)."""
-        ref, run_of, cached = self.ref, self._run_of, self.cached
+        `also_kept`, those of these hashes in the retention tier as well), each once."""
         want = _KeptRun if kept_tier else _Run
-        # A block is listed once even if its hash repeats (it moves once).
-        seen: set[int] = set()
-        out: list[int] = []
-        # Most of a chain is held by running requests or not cached: look every hash up
-        # in C and keep the free blocks in one pass before the per-block checks.
-        blocks = list(map(cached.get, hashes))
-        is_free = [b is not None and not ref[b] for b in blocks]
-        pairs = compress(zip(hashes, blocks, strict=True), is_free)
-        free = cast(list[tuple[int, int]], list(pairs))
-        for h, b in free:
-            if b in seen:
-                continue
-            kind = type(run_of[b])
-            if kind is want or (also_kept and kind is _KeptRun and h in also_kept):
-                seen.add(b)
-                out.append(b)
-        return out
+        return self._ops.free_cached(
+            self.cached, self.ref, self._run_of, hashes, want, _KeptRun, also_kept
+        )
 
     # -- content ---------------------------------------------------------------------
     def cache_blocks(

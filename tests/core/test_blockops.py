@@ -104,6 +104,57 @@ def test_hash_run(parent: int, stream: int, start: int, count: int, step: int) -
     both(lambda ops, s: ops.hash_run(parent, stream, start, count, step), [])
 
 
+times = st.sampled_from([0.0, 1.0, 2.0, 2.5, float("inf")]) | st.integers(0, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.integers(0, 12), st.lists(times, max_size=4), max_size=10),
+    st.lists(st.integers(0, 14), max_size=16),
+    times,
+)
+def test_retention_operations(uses: dict[int, list[Any]], hashes: list[int], when: Any) -> None:
+    # Use lists are kept sorted; an empty one never occurs but must fail alike.
+    retained = {h: sorted(u) for h, u in uses.items()}
+    # repr() tells 2 from 2.0: where an int and an equal float were put must agree.
+    both(lambda ops, s: (ops.retain_uses(s[0], hashes, when), repr(s[0])), [retained])
+    both(lambda ops, s: (ops.release_uses(s[0], hashes, when), repr(s[0])), [retained])
+
+    def round_trip(ops: BlockOps, s: Any) -> Any:
+        got = ops.retain_uses(s[0], hashes, when), ops.release_uses(s[0], hashes, when)
+        return got, repr(s[0])
+
+    both(round_trip, [retained])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 2), min_size=1, max_size=10),
+    st.lists(st.sampled_from(["plain", "kept", "none"]), min_size=10, max_size=10),
+    st.dictionaries(st.integers(0, 12), st.integers(-10, 9), max_size=12),
+    st.lists(st.integers(0, 14), max_size=16),
+    st.none() | st.sets(st.integers(0, 14), max_size=5),
+    st.booleans(),
+)
+def test_free_cached(
+    ref: list[int],
+    kinds: list[str],
+    cached: dict[int, int],
+    hashes: list[int],
+    also: set[int] | None,
+    kept: bool,
+) -> None:
+    # Queue runs stand in as lists (ordinary) and tuples (retention tier); a block id
+    # past the counts list must fail alike.
+    made = {"plain": [0], "kept": (0,), "none": None}
+    run_of = [made[k] for k in kinds[: len(ref)]]
+    want = tuple if kept else list
+    both(
+        lambda ops, s: ops.free_cached(s[0], s[1], s[2], hashes, want, tuple, also),
+        [cached, ref, run_of],
+    )
+
+
 def test_match_runs_reads_the_running_and() -> None:
     d = {10: 0b111, 11: 0b111, 12: 0b101, 13: 0b001, 14: 0b100}
     for ops in (REFERENCE, compiled):
