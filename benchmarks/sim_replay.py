@@ -247,8 +247,12 @@ class SimReplay:
         )
         # Engines in a macro step bring their KV (and its events) up to now first.
         engines = self.engines
+        # (Most have nothing to apply yet: `sync_at` says so without the call. An engine
+        # with a CPU tier is synced anyway, as the sync also sets its tier's clock.)
         for slot in self._macro:
-            engines[slot].sync(now)
+            core = engines[slot]
+            if now >= core.sync_at or core.cpu is not None:
+                core.sync(now)
         decision = self.dispatch.place(info, now, force)
         placement = decision.placement
         if decision.held:

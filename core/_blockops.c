@@ -1023,6 +1023,99 @@ fail:
     return NULL;
 }
 
+/* set_bits(out, mask, value): out[i] = value for every set bit i of mask, lowest
+ * first (IndexError at the first bit past the list, the lower ones set). */
+static PyObject *
+set_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_bits(out, mask, value)");
+        return NULL;
+    }
+    PyObject *out = args[0], *mask = args[1], *value = args[2];
+    if (check_list(out) < 0)
+        return NULL;
+    if (PyLong_CheckExact(mask) && Py_SIZE(mask) >= 0) {
+        /* A non-negative int: read its bytes once, little end first. */
+        size_t nbits = _PyLong_NumBits(mask);
+        if (nbits == (size_t)-1 && PyErr_Occurred())
+            return NULL;
+        size_t nbytes = (nbits + 7) / 8;
+        if (nbytes == 0)
+            Py_RETURN_NONE;
+        unsigned char *buf = PyMem_Malloc(nbytes);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        if (_PyLong_AsByteArray((PyLongObject *)mask, buf, nbytes, 1, 0) < 0) {
+            PyMem_Free(buf);
+            return NULL;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(out);
+        for (size_t byte = 0; byte < nbytes; byte++) {
+            unsigned char c = buf[byte];
+            while (c) {
+                int low = __builtin_ctz(c);
+                c &= (unsigned char)(c - 1);
+                Py_ssize_t i = (Py_ssize_t)(byte * 8 + low);
+                if (i >= n) {
+                    PyMem_Free(buf);
+                    PyErr_SetString(PyExc_IndexError, "list assignment index out of range");
+                    return NULL;
+                }
+                set_slot(out, i, value);
+            }
+        }
+        PyMem_Free(buf);
+        Py_RETURN_NONE;
+    }
+    /* Anything else: the reference's loop, through the number protocol. */
+    Py_INCREF(mask);
+    for (;;) {
+        int t = PyObject_IsTrue(mask);
+        if (t < 0)
+            goto fail;
+        if (!t)
+            break;
+        PyObject *neg = PyNumber_Negative(mask);
+        if (neg == NULL)
+            goto fail;
+        PyObject *low = PyNumber_And(mask, neg);
+        Py_DECREF(neg);
+        if (low == NULL)
+            goto fail;
+        PyObject *len = PyObject_CallMethod(low, "bit_length", NULL);
+        if (len == NULL) {
+            Py_DECREF(low);
+            goto fail;
+        }
+        Py_ssize_t i = PyNumber_AsSsize_t(len, PyExc_IndexError);
+        Py_DECREF(len);
+        if (i == -1 && PyErr_Occurred()) {
+            Py_DECREF(low);
+            goto fail;
+        }
+        Py_ssize_t at;
+        PyObject *index = PyLong_FromSsize_t(i - 1);
+        if (index == NULL || slot_of(out, index, &at) < 0) {
+            Py_XDECREF(index);
+            Py_DECREF(low);
+            goto fail;
+        }
+        Py_DECREF(index);
+        set_slot(out, at, value);
+        PyObject *rest = PyNumber_Xor(mask, low);
+        Py_DECREF(low);
+        if (rest == NULL)
+            goto fail;
+        Py_SETREF(mask, rest);
+    }
+    Py_DECREF(mask);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(mask);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL, NULL},
     {"scatter", (PyCFunction)(void (*)(void))scatter, METH_FASTCALL, NULL},
@@ -1039,6 +1132,7 @@ static PyMethodDef methods[] = {
     {"hash_run", (PyCFunction)(void (*)(void))hash_run, METH_FASTCALL, NULL},
     {"retain_uses", (PyCFunction)(void (*)(void))retain_uses, METH_FASTCALL, NULL},
     {"release_uses", (PyCFunction)(void (*)(void))release_uses, METH_FASTCALL, NULL},
+    {"set_bits", (PyCFunction)(void (*)(void))set_bits, METH_FASTCALL, NULL},
     {"free_cached", (PyCFunction)(void (*)(void))free_cached, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -62,6 +62,8 @@ class BlockOps(Protocol):
         self, parent: int, stream: int, start: int, count: int, step: int
     ) -> list[int]: ...
 
+    def set_bits(self, out: list[Any], mask: int, value: Any) -> None: ...
+
     def retain_uses(
         self, retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any
     ) -> set[Any]: ...
@@ -248,6 +250,14 @@ class PythonBlockOps:
         h_{-1} = parent."""
         h = parent
         return [h := hash((h, stream, off)) for off in range(start, start + count * step, step)]
+
+    @staticmethod
+    def set_bits(out: list[Any], mask: int, value: Any) -> None:
+        """out[i] = value for every set bit i of `mask`, lowest first."""
+        while mask:
+            low = mask & -mask
+            out[low.bit_length() - 1] = value
+            mask ^= low
 
     @staticmethod
     def retain_uses(retained: dict[Any, list[Any]], hashes: Sequence[Any], use_at: Any) -> set[Any]:

@@ -120,16 +120,10 @@ class PrefixIndex:
         out = [0] * len(self.engines)
         # The running AND of the blocks' holder masks only loses bits: each engine's
         # prefix ends where its bit goes (at most one change per engine).
+        set_bits = self._ops.set_bits
         for depth, mask in self._ops.match_runs(self._holders, block_hashes):
-            self._record(out, mask, depth)
+            set_bits(out, mask, depth)
         return out
-
-    @staticmethod
-    def _record(out: list[int], mask: int, depth: int) -> None:
-        while mask:
-            low = mask & -mask
-            out[low.bit_length() - 1] = depth
-            mask ^= low
 
     def masks(self, block_hashes: Sequence[int]) -> list[int]:
         """Each block's holder bitmask (bit i: engine slot i; 0: nobody)."""

@@ -30,6 +30,8 @@ from wasma.core.profile import Profile
 from wasma.engines.sim.cpu_tier import CPU_MEDIUM, CpuTier
 from wasma.engines.sim.kv_cache import KVCache
 
+_NEVER = float("inf")
+
 
 @dataclass(slots=True, eq=False)
 class SimRequest:
@@ -147,6 +149,9 @@ class SimEngineCore:
         self._seq = 0
         self._scheduled: list[tuple[SimRequest, int]] = []
         self._macro: _Macro | None = None
+        # `sync(now)` applies nothing before this time (infinity: nothing to apply until
+        # the next step starts), so a driver can skip it; it is never later than that.
+        self.sync_at = _NEVER
         self.step_end = -1.0
         self.busy = False
         self.steps = 0
@@ -440,6 +445,7 @@ class SimEngineCore:
     def start_step(self, now: float) -> float:
         """Schedule the next step at `now`; returns when it ends."""
         assert not self.busy, f"engine {self.name}: step already in flight"
+        self.sync_at = _NEVER
         scheduled, preempted, admitted = self._schedule(now)
         while not scheduled and preempted:
             # The request being scheduled preempted itself (vLLM then schedules the rest
@@ -484,6 +490,7 @@ class SimEngineCore:
                 b = step.per_decode_ctx_token_s * decode
                 self._macro = _Macro(now, k, a, b)
                 dur = self._macro.end_of(k - 1) - now
+                self.sync_at = self._macro.end_of(0)  # sub-step 1 is scheduled then
         self.busy = True
         self._step_start = now
         self.step_end = now + dur
@@ -572,6 +579,7 @@ class SimEngineCore:
         if done > m.applied:
             self._apply_substeps(done)
             m.applied = done
+        self.sync_at = m.end_of(m.applied - 1) if m.applied < m.k else _NEVER
 
     def _apply_substeps(self, upto: int) -> None:
         """Allocate and cache the blocks of the macro's first `upto` sub-steps."""
@@ -610,6 +618,7 @@ class SimEngineCore:
         assert self.busy
         self._now = now
         self.busy = False
+        self.sync_at = _NEVER
         self.steps += 1
         k = self._macro.k if self._macro is not None else 1
         self.busy_time += now - self._step_start

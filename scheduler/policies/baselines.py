@@ -54,7 +54,10 @@ class LeastLoaded(Policy):
         n = len(slots)
         start = self._rotate % n
         self._rotate += 1
-        best = min((slots[(start + i) % n] for i in range(n)), key=lambda s: loads[s].outstanding)
+        # The least outstanding, the first in rotation order on ties (as min() picks).
+        order = slots[start:] + slots[:start]
+        outstanding = [loads[s].outstanding for s in order]
+        best = order[outstanding.index(min(outstanding))]
         hit = self.ctx.index.match(req.block_hashes)[best]
         return Placement(best, kind_for(hit), hit_blocks=hit)
 

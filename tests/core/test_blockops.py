@@ -104,6 +104,13 @@ def test_hash_run(parent: int, stream: int, start: int, count: int, step: int) -
     both(lambda ops, s: ops.hash_run(parent, stream, start, count, step), [])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 80), masks | st.integers(-5, -1) | st.booleans(), st.integers(0, 9))
+def test_set_bits(size: int, mask: int, value: int) -> None:
+    # A bit past the list fails alike, after the same lower bits were set.
+    both(lambda ops, s: ops.set_bits(s[0], mask, value), [[-1] * size])
+
+
 times = st.sampled_from([0.0, 1.0, 2.0, 2.5, float("inf")]) | st.integers(0, 2)
 
 
