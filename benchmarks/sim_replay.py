@@ -143,8 +143,13 @@ class SimReplay:
         self.policy_name = policy
         self.router = self.dispatch.router
         sink = self.dispatch.on_kv_event
+        # Every engine's free queue starts as the same block ids: one list of them (one
+        # int object an id) for all, not one an engine.
+        ids = list(range(profile.num_kv_blocks))
         self.engines = [
-            SimEngineCore(n, profile, engine_policy, kv_sink=sink, fast_forward=fast_forward)
+            SimEngineCore(
+                n, profile, engine_policy, kv_sink=sink, fast_forward=fast_forward, block_ids=ids
+            )
             for n in names
         ]
         self.hasher = BlockHasher(profile.block_size)

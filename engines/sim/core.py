@@ -110,6 +110,7 @@ class SimEngineCore:
         policy: str = "priority",
         kv_sink: Callable[[KVEvent], None] | None = None,
         fast_forward: bool = True,
+        block_ids: list[int] | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -125,6 +126,7 @@ class SimEngineCore:
             profile.block_size,
             on_stored=self._emit_stored if kv_sink else None,
             on_removed=self._emit_removed if kv_sink else None,
+            block_ids=block_ids,
         )
         # The CPU tier (vLLM's offloading connector), when the profile sizes one: it
         # hears of every block the GPU caches, and waiting requests load from it.

@@ -57,9 +57,17 @@ class KVCache:
         on_stored: StoredSink | None = None,
         on_removed: EvictedSink | None = None,
         ops: BlockOps | None = None,
+        block_ids: Sequence[int] | None = None,
     ) -> None:
+        """`block_ids`, if given, is `range(num_blocks)` as a list that several caches
+        share: the ids in every queue are then the same int objects (a million-block
+        cluster holds each id once, not once an engine)."""
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks")
+        if block_ids is not None and (
+            len(block_ids) != num_blocks or block_ids[0] != 0 or block_ids[-1] != num_blocks - 1
+        ):
+            raise ValueError("block_ids must be range(num_blocks)")
         self.block_size = block_size
         self._ops = ops if ops is not None else block_ops()
         # Block 0 is vLLM's null block: never allocated, so usable blocks are one fewer.
@@ -67,7 +75,7 @@ class KVCache:
         self.ref = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # chain hash -> block id
-        first = _Run(range(num_blocks - 1, 0, -1))
+        first = _Run(range(num_blocks - 1, 0, -1) if block_ids is None else block_ids[:0:-1])
         self._runs: deque[_Run] = deque([first])  # ordinary free blocks, front first
         # Free blocks whose content a pending request will reuse: evicted only after
         # every ordinary free block (the retention tier), latest next use first.

@@ -554,3 +554,19 @@ def test_stale_copy_left_by_a_transfer_evicts_nothing(one_at_a_time: bool) -> No
     assert events == ref.events
     assert ("removed", [12]) not in events and ("removed", [13]) not in events
     assert kv.ref == ref.ref and kv.hash_of == ref.hash_of and kv.cached == ref.cached
+
+
+def test_shared_block_ids_queue_the_same_objects_in_the_same_order() -> None:
+    ids = list(range(300))  # most past the small-int cache
+    a = KVCache(300, 4, block_ids=ids)
+    b = KVCache(300, 4, block_ids=ids)
+    own = KVCache(300, 4)
+    assert a.free == own.free
+    got_a, got_b, got_own = a.allocate(260), b.allocate(260), own.allocate(260)
+    assert got_a == got_own
+    # The same int objects in both caches (the point of sharing them).
+    assert all(x is y for x, y in zip(got_a, got_b, strict=True))
+    with pytest.raises(ValueError):
+        KVCache(300, 4, block_ids=list(range(299)))
+    with pytest.raises(ValueError):
+        KVCache(300, 4, block_ids=list(range(1, 301)))
