@@ -203,8 +203,7 @@ class Policy(ABC):
     def place(self, req: RequestInfo, now: float) -> Placement: ...
 
     def healthy_slots(self) -> list[int]:
-        loads = self.ctx.state.loads
-        slots = [i for i, load in enumerate(loads) if load.healthy]
+        slots = self.ctx.state.healthy_slots()
         if not slots:
             raise NoHealthyEngine("no healthy engine to place the request on")
         return slots

@@ -55,6 +55,7 @@ class ClusterState:
         self._slot = {name: i for i, name in enumerate(engines)}
         self._charges: dict[str, tuple[int, Charge]] = {}
         self._neighbours: list[list[int]] | None = None
+        self._healthy: list[int] | None = None  # healthy slots, until health changes
 
     @property
     def engines(self) -> list[str]:
@@ -69,6 +70,7 @@ class ClusterState:
         self._slot[name] = len(self.loads)
         self.loads.append(EngineLoad(name, host=host, num_kv_blocks=num_kv_blocks))
         self._neighbours = None
+        self._healthy = None
         return self._slot[name]
 
     def host_neighbours(self) -> list[list[int]]:
@@ -124,6 +126,15 @@ class ClusterState:
 
     def set_healthy(self, slot: int, healthy: bool) -> None:
         self.loads[slot].healthy = healthy
+        self._healthy = None
+
+    def healthy_slots(self) -> list[int]:
+        """The slots of the healthy engines, in order (a new list each call). Kept
+        between calls, as health changes only through `set_healthy`: a decision on a
+        1,024-engine cluster then does not walk every engine for it."""
+        if self._healthy is None:
+            self._healthy = [i for i, load in enumerate(self.loads) if load.healthy]
+        return list(self._healthy)
 
     def engine_of(self, request_id: str) -> int | None:
         entry = self._charges.get(request_id)

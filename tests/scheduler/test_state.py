@@ -57,6 +57,20 @@ def test_cluster_state_stats_health_and_new_engines() -> None:
     assert st.loads[1].num_kv_blocks == 7 and st.engines == ["e0", "e1"]
 
 
+def test_healthy_slots_follow_health_and_new_engines() -> None:
+    st = ClusterState(["e0", "e1", "e2"])
+    assert st.healthy_slots() == [0, 1, 2]
+    st.set_healthy(1, False)
+    assert st.healthy_slots() == [0, 2]
+    st.add_engine("e3")
+    assert st.healthy_slots() == [0, 2, 3]
+    st.set_healthy(1, True)
+    got = st.healthy_slots()
+    assert got == [0, 1, 2, 3]
+    got.remove(0)  # a caller's copy: the state's own list is untouched
+    assert st.healthy_slots() == [0, 1, 2, 3]
+
+
 def test_registry_ready_children_and_close() -> None:
     reg = WorkflowRegistry()
     wf = diamond()
