@@ -153,6 +153,7 @@ class _FailingFront:
         self.posts = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @property
@@ -180,10 +181,13 @@ class _FailingFront:
             runner = web.AppRunner(app)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._stop = asyncio.Event()
             self._ready.set()
-            await asyncio.Event().wait()
+            await self._stop.wait()
+            await runner.cleanup()
 
         self._loop.run_until_complete(main())
+        self._loop.close()
 
     def __enter__(self) -> _FailingFront:
         self._thread.start()
@@ -191,7 +195,9 @@ class _FailingFront:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
 
 
 def test_an_engine_failing_in_the_gateways_hands_moves_the_request(
