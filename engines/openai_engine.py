@@ -406,14 +406,21 @@ class OpenAIEngine(EngineClient):
             body["vllm_xargs"] = xargs
         return body
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        call = request.call
+        if call is not None and not (
+            self.tokens_api and call.generate is not None and not call.needs_api
+        ):
+            # The client's request as it is: the stream it reads is this one, with no
+            # generator between (the pass-through is the gateway's hot path).
+            return self._forward(request, call)
+        return self._generate_tokens(request)
+
+    async def _generate_tokens(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         call = request.call
         path = "/v1/completions"
         if call is not None:
-            if not (self.tokens_api and call.generate is not None and not call.needs_api):
-                async for piece in self._forward(request, call):
-                    yield piece
-                return
+            assert call.generate is not None
             # Token ids out: the gateway derenders them with vLLM's derenderer, and a
             # stream cut by a failure continues on another engine from them.
             content = self._generate_body(request, call.generate.get())
@@ -480,18 +487,19 @@ class OpenAIEngine(EngineClient):
         body["vllm_xargs"] = {**own, **xargs} if isinstance(own, dict) else xargs
         return _JSON_ENCODER.encode(body)
 
-    async def _forward(
-        self, request: GenerateRequest, call: EngineCall
-    ) -> AsyncIterator[TokenChunk]:
+    def _forward(self, request: GenerateRequest, call: EngineCall) -> AsyncIterator[TokenChunk]:
         """Pass the client's request through: the server's status and body bytes come
         back as they are (an error too: a 4xx is the server's answer, not its fault).
         The first chunk carries the status; the last one is `finished`."""
         content = self._call_body(request, call)
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
         if self._aio is not None:
-            async for piece in self._forward_aio(call, content, headers):
-                yield piece
-            return
+            return self._forward_aio(call, content, headers)
+        return self._forward_httpx(call, content, headers)
+
+    async def _forward_httpx(
+        self, call: EngineCall, content: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[TokenChunk]:
         try:
             async with self._http.stream(
                 "POST", call.path, content=content, headers=headers
