@@ -315,6 +315,20 @@ class RouterActor:
         await self._ready()
         self._chan().cancel(channel, request_ids)
 
+    async def direct_views(self, channel: str) -> list[Any]:
+        await self._ready()
+        return self._chan().direct_views(channel)
+
+    async def report(self, channel: str, items: list[tuple[str, int, Any]]) -> None:
+        await self._ready()
+        self._chan().report(channel, items)
+
+    async def channel_counts(self) -> dict[str, int]:
+        """Chunks relayed to gateways and reports received from them."""
+        await self._ready()
+        chan = self._chan()
+        return {"relayed_chunks": chan.relayed_chunks, "reports": chan.reports}
+
     async def results(self, channel: str) -> AsyncIterator[list[Any]]:
         await self._ready()
         async for batch in self._chan().results(channel):

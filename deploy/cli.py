@@ -207,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         "scheduling state",
     )
     sv.add_argument(
+        "--relay-tokens",
+        action="store_true",
+        help="with the router in a Ray actor: stream every token through it, as before "
+        "direct streams (by default the gateway streams from vLLM engines itself and "
+        "tells the router only of progress)",
+    )
+    sv.add_argument(
         "--sim-speed", type=_positive_float, default=None, help="sim engines: run N x faster"
     )
     sv.add_argument(

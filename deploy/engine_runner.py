@@ -43,6 +43,12 @@ class EngineRunner:
         self.now = now
         self.block_size = dispatch.ctx.block_size
         self.failovers = 0  # requests moved to another engine mid-request
+        # Where a request runs on its engine from another process (a gateway streaming
+        # from the engine itself, deploy/ray_channel.py): the chunks it reports, in
+        # place of the engine's own stream; None (or returning None): here.
+        self.divert: (
+            Callable[[LiveRequest, GenerateRequest], AsyncIterator[TokenChunk] | None] | None
+        ) = None
 
     async def start(
         self, live: LiveRequest, decision: Dispatch
@@ -88,7 +94,9 @@ class EngineRunner:
         )
         self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
         try:
-            gen = engine.generate(greq)
+            gen = self.divert(live, greq) if self.divert is not None else None
+            if gen is None:
+                gen = engine.generate(greq)
         except ValueError as exc:
             raise BadRequest(str(exc), getattr(exc, "param", None) or "prompt") from None
         except Exception as exc:

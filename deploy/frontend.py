@@ -157,7 +157,59 @@ def _install_inline(renderer: Any) -> InlineWhenSmall | None:
         return None
     inline = InlineWhenSmall(pool)
     executor._inner = inline  # type: ignore[union-attr]
+    for name in _ASYNC_WRAPPERS:
+        wrapper = getattr(renderer, name, None)
+        func = _made_async(wrapper)
+        if wrapper is not None and func is not None:
+            setattr(renderer, name, _settled_when_small(wrapper, func, inline.small))
     return inline
+
+
+# vLLM's `make_async` wrappers on its renderer (vllm/renderers/base.py, hf.py). Each
+# goes through `loop.run_in_executor`, whose future settles by `call_soon_threadsafe`
+# (a wake-up write and one more turn of the loop) even when the pool ran the call
+# inline: three of them a chat render.
+_ASYNC_WRAPPERS = (
+    "_apply_chat_template_async",
+    "_tokenize_prompt_async",
+    "_async_tokenizer_decode",
+)
+
+
+def _made_async(wrapper: Any) -> Callable[..., Any] | None:
+    """The blocking function a `make_async` wrapper runs, or None if `wrapper` is not
+    one (another vLLM version: the pool alone then keeps small renders inline)."""
+    code = getattr(wrapper, "__code__", None)
+    cells = getattr(wrapper, "__closure__", None)
+    if code is None or not cells or getattr(wrapper, "__name__", "") != "_async_wrapper":
+        return None
+    free = dict(zip(code.co_freevars, cells, strict=True))
+    func = free.get("func")
+    if func is None:
+        return None
+    value = func.cell_contents
+    return value if callable(value) else None
+
+
+def _settled_when_small(
+    wrapper: Callable[..., Any],
+    func: Callable[..., Any],
+    small: contextvars.ContextVar[bool],
+) -> Callable[..., Any]:
+    """`wrapper`, except that a small request's call runs at once and returns a future
+    already settled on the running loop (awaiting it does not yield)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not small.get():
+            return wrapper(*args, **kwargs)
+        done = asyncio.get_running_loop().create_future()
+        try:
+            done.set_result(func(*args, **kwargs))
+        except Exception as exc:  # handed to the awaiting caller, as the pool would
+            done.set_exception(exc)
+        return done
+
+    return call
 
 
 def _build_sync(options: FrontendOptions) -> Frontend:

@@ -549,8 +549,11 @@ class Gateway:
     ) -> None:
         async def pump() -> None:
             started = False
+            ended = False
             first_raw = b""
             async for piece, status in self._sse(tstream, sreq, rendered):
+                if ended:
+                    continue  # nothing follows an OpenAI stream's [DONE]
                 if not started:
                     ctype = SSE_TYPE if status == 200 else b"application/json"
                     headers = [
@@ -565,7 +568,9 @@ class Gateway:
                     started = True
                 if len(first_raw) < 4096:
                     first_raw += piece
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                # The last event closes the response in the same write as its bytes.
+                ended = piece.endswith(DONE_EVENT)
+                await send({"type": "http.response.body", "body": piece, "more_body": not ended})
             if not started:
                 await send(
                     {
@@ -574,21 +579,27 @@ class Gateway:
                         "headers": [(b"content-type", SSE_TYPE)],
                     }
                 )
-            await send({"type": "http.response.body", "body": b""})
+            if not ended:
+                await send({"type": "http.response.body", "body": b""})
             self._remember(rendered, sreq, tstream.engine, first_raw)
 
-        pumping = asyncio.ensure_future(pump())
-        watching = asyncio.ensure_future(_wait_disconnect(receive))
+        # The pump runs in this task; a client that leaves cancels it (and so its engine
+        # work) through the same disconnect watch as an opening request's.
         try:
-            await asyncio.wait((pumping, watching), return_when=asyncio.FIRST_COMPLETED)
+            await self._unless_gone(receive, self._logged(pump(), sreq.request_id))
         finally:
-            # A client that left cancels its engine work (the pump's finally aborts it).
-            for task in (pumping, watching):
-                task.cancel()
-            await asyncio.gather(pumping, watching, return_exceptions=True)
             await tstream.aclose()
-        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
-            log.warning("stream %s failed: %s", sreq.request_id, pumping.exception())
+
+    @staticmethod
+    async def _logged(work: Awaitable[None], request_id: str) -> None:
+        """`work`; a failure once the response is under way can only be logged (the
+        client sees its stream cut)."""
+        try:
+            await work
+        except (asyncio.CancelledError, _ClientGone):
+            raise
+        except Exception as exc:
+            log.warning("stream %s failed: %s", request_id, exc)
 
     async def _sse(
         self, tstream: TokenStream, sreq: ServiceRequest, rendered: Rendered

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
     from wasma.deploy.router_service import RouterService
 
 
+@dataclass(frozen=True, slots=True)
+class ReportedChunk(TokenChunk):
+    """What a gateway that streams a request from its engine itself tells the router
+    of the chunks it relayed since its last report: their token ids (a stream cut
+    short continues elsewhere from them), finish and cache hit as in a `TokenChunk`,
+    and, in place of a passed-through answer's bytes, what the router reads from them:
+    how many events held output, the usage count seen, and the inter-token samples the
+    gateway took as the router takes them from the chunks it relays (seconds, count)."""
+
+    outputs: int = 0
+    usage_tokens: int = 0
+    raw_seen: bool = False
+    gaps: tuple[tuple[float, int], ...] = ()
+
+
 class EngineFault(Exception):
     """An engine failed a request by its own fault (died, hung, errored): the request may
     move to another engine. Never raised for the client's own mistakes."""

@@ -9,25 +9,58 @@ per gateway (`results`) brings back everything that happened since its last item
 
 Messages are `(kind, request_id, payload)` with kind one of
 `result` (ServiceResult), `open` ((engine, placement)), `chunk` (TokenChunk),
-`end` (None), `error` (a ServiceError).
+`end` (None), `error` (a ServiceError), and for direct streams `order`
+((order, engine slot, GenerateRequest)) and `stop` (order).
+
+Direct streams: a gateway that can reach the engines itself (`ChannelClient(direct=
+True)`, engines with an `EngineView`) runs each placed request on its engine and streams
+the tokens to its client; the router keeps the books as for any request (admission,
+placement, failover, health, metrics) from what the gateway reports: the first chunk
+at once, then batches of token ids and counts (`ReportedChunk`) at most every
+`REPORT_EVERY_S`, the finish, and faults. The router answers a fault as it answers one
+of an engine it drives: placed again, a new `order` from the tokens already sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from wasma.deploy.router_service import RouterService
+from wasma.deploy.live_request import LiveRequest, ReportedChunk, aclose_quietly
+from wasma.deploy.router_service import (
+    RouterService,
+    collect_result,
+    output_events_in,
+    output_tokens_in,
+)
 from wasma.deploy.service_types import ServiceError, ServiceRequest, ServiceResult, Unavailable
-from wasma.engines.base import TokenChunk
+from wasma.engines.base import (
+    EngineView,
+    GenerateRequest,
+    RequestRefused,
+    StreamingEngine,
+    TokenChunk,
+)
 
 log = logging.getLogger(__name__)
 
 Message = tuple[str, str, Any]
+
+# A direct stream tells the router of its progress at most this often (and at once of
+# its first chunk, its finish and a fault): the router's stall check needs a sign of life
+# well within `request_timeout_s`, and its load counters only the start and the end.
+REPORT_EVERY_S = 0.5
+
+
+class ReportedFault(RuntimeError):
+    """A gateway's engine failed the request it ran for the router."""
 
 
 class _Outbox:
@@ -53,6 +86,16 @@ class ChannelServer:
         self.service = service
         self._boxes: dict[str, _Outbox] = {}
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._views = [engine.direct_view() for engine in service.engines]
+        self._direct: set[str] = set()  # channels whose gateway runs requests itself
+        # The order a direct request runs under now, and where its reports go.
+        self._orders: dict[tuple[str, str], tuple[int, asyncio.Queue[Any]]] = {}
+        self._running: contextvars.ContextVar[tuple[str, _Outbox] | None] = contextvars.ContextVar(
+            "wasma_channel", default=None
+        )
+        self.relayed_chunks = 0  # chunks sent to gateways (direct streams send none)
+        self.reports = 0  # reports received from gateways
+        service.runner.divert = self._divert
 
     def _box(self, channel: str) -> _Outbox:
         box = self._boxes.get(channel)
@@ -65,7 +108,7 @@ class ChannelServer:
         loop = asyncio.get_running_loop()
         for req, stream in batch:
             key = (channel, req.request_id)
-            task = loop.create_task(self._run(box, req, stream))
+            task = loop.create_task(self._run(channel, box, req, stream))
             self._tasks[key] = task
             task.add_done_callback(self._done_callback(key))
 
@@ -75,16 +118,85 @@ class ChannelServer:
 
         return done
 
-    async def _run(self, box: _Outbox, req: ServiceRequest, stream: bool) -> None:
+    def direct_views(self, channel: str) -> list[EngineView | None]:
+        """The engines as `channel`'s gateway may reach them itself, by slot (None: its
+        requests there stream through the router); from now on it runs them."""
+        self._direct.add(channel)
+        return list(self._views)
+
+    def report(self, channel: str, items: list[tuple[str, int, Any]]) -> None:
+        """A direct stream's progress: (request id, order, ReportedChunk or a fault as
+        (kind, message, param)). Reports of an order the router replaced are stale."""
+        for rid, order, payload in items:
+            self.reports += 1
+            current = self._orders.get((channel, rid))
+            if current is None or current[0] != order:
+                continue
+            current[1].put_nowait(payload)
+
+    def _divert(self, live: LiveRequest, greq: GenerateRequest) -> AsyncIterator[TokenChunk] | None:
+        running = self._running.get()
+        if running is None or self._views[live.slot] is None:
+            return None
+        channel, box = running
+        if channel not in self._direct:
+            return None
+        key = (channel, live.req.request_id)
+        order = live.failovers
+        reports: asyncio.Queue[Any] = asyncio.Queue()
+        self._orders[key] = (order, reports)
+        return self._reported(key, order, reports, box, live.slot, greq)
+
+    async def _reported(
+        self,
+        key: tuple[str, str],
+        order: int,
+        reports: asyncio.Queue[Any],
+        box: _Outbox,
+        slot: int,
+        greq: GenerateRequest,
+    ) -> AsyncIterator[TokenChunk]:
+        """The chunks a gateway reports for one order, as the engine's own stream would
+        give them (a fault as the exception the engine would raise)."""
+        rid = key[1]
+        box.put(("order", rid, (order, slot, greq)))
+        finished = False
+        try:
+            while True:
+                payload = await reports.get()
+                if isinstance(payload, ReportedChunk):
+                    finished = payload.finished
+                    yield payload
+                    if finished:
+                        return
+                    continue
+                kind, message, param = payload
+                if kind == "ended":
+                    return  # the engine ended the request without finishing it
+                if kind == "refused":
+                    raise RequestRefused(message, param)
+                raise ReportedFault(message)
+        finally:
+            if self._orders.get(key, (None,))[0] == order:
+                del self._orders[key]
+            if not finished:
+                # Moved, cancelled or failed here: the gateway stops reading that engine.
+                box.put(("stop", rid, order))
+
+    async def _run(self, channel: str, box: _Outbox, req: ServiceRequest, stream: bool) -> None:
         rid = req.request_id
         try:
             if not stream:
                 box.put(("result", rid, await self.service.complete(req)))
                 return
+            self._running.set((channel, box))  # this task's context: `_divert` reads it
             s = await self.service.open(req)
             try:
                 box.put(("open", rid, (s.engine, s.kind)))
                 async for chunk in s:
+                    if isinstance(chunk, ReportedChunk):
+                        continue  # the gateway streamed it from the engine itself
+                    self.relayed_chunks += 1
                     box.put(("chunk", rid, chunk))
                 box.put(("end", rid, None))
             finally:
@@ -114,6 +226,7 @@ class ChannelServer:
                 if ch == channel:
                     task.cancel()
             self._boxes.pop(channel, None)
+            self._direct.discard(channel)
 
 
 class _Stream:
@@ -148,17 +261,243 @@ class _Stream:
         self._client._forget(self._rid, cancel=not self._ended)
 
 
+class _Progress:
+    """What a direct stream's next report tells the router."""
+
+    __slots__ = ("cached", "first", "gaps", "ids", "last", "outputs", "raw", "status", "usage")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.outputs = 0
+        self.usage = 0
+        self.raw = False
+        self.gaps: list[tuple[float, int]] = []
+        self.cached: int | None = None
+        self.status = 0
+        self.first = True  # nothing of this order reported yet
+        self.last = 0.0  # when an output last came (for the inter-token samples)
+
+    def take(self, chunk: TokenChunk, finished: bool) -> ReportedChunk:
+        out = ReportedChunk(
+            tuple(self.ids),
+            finished,
+            chunk.finish_reason if finished else None,
+            self.cached,
+            chunk.stop_reason if finished else None,
+            status=self.status,
+            outputs=self.outputs,
+            usage_tokens=self.usage,
+            raw_seen=self.raw,
+            gaps=tuple(self.gaps),
+        )
+        self.ids, self.outputs, self.gaps = [], 0, []
+        self.cached, self.status, self.raw, self.first = None, 0, False, False
+        return out
+
+
+class _DirectStream:
+    """A request this gateway runs on its engine for the router: the tokens go from
+    the engine to the client here; the router hears of them in reports (module doc)."""
+
+    def __init__(self, client: ChannelClient, rid: str, streamed: bool) -> None:
+        self.engine = ""
+        self.kind = ""
+        self.cached_tokens = 0
+        self._client = client
+        self._rid = rid
+        self._streamed = streamed  # the client asked for a stream (SSE events count)
+        self._control: collections.deque[Message] = collections.deque()
+        self._signal: asyncio.Future[None] | None = None
+        self._wait: asyncio.Timeout | None = None
+        self._gen: AsyncIterator[TokenChunk] | None = None
+        self._order = -1
+        self._pending: collections.deque[TokenChunk] = collections.deque()
+        self._ended = False
+        self._sent_output = False  # an output went to the client (inter-token samples)
+        self._progress = _Progress()
+        self._last_report = 0.0
+
+    # -- control from the router -----------------------------------------------------
+    def put(self, msg: Message) -> None:
+        self._control.append(msg)
+        if self._signal is not None and not self._signal.done():
+            self._signal.set_result(None)
+        if self._wait is not None and not self._wait.expired():
+            self._wait.reschedule(asyncio.get_running_loop().time())
+
+    async def _next_control(self) -> Message:
+        while not self._control:
+            self._signal = asyncio.get_running_loop().create_future()
+            try:
+                await self._signal
+            finally:
+                self._signal = None
+        return self._control.popleft()
+
+    async def _handle(self, msg: Message) -> None:
+        kind, _rid, payload = msg
+        if kind == "order":
+            await self._start(*payload)
+        elif kind == "stop":
+            if payload == self._order:
+                await self._drop_engine()
+        elif kind == "open":
+            self.engine, self.kind = payload
+        elif kind == "chunk":
+            self._pending.append(payload)  # an engine only the router reaches
+        elif kind == "end":
+            self._ended = True
+        elif kind == "error":
+            self._ended = True
+            raise payload
+
+    async def opening(self) -> None:
+        """Until the router says where the request runs (its first chunk is in hand)."""
+        while not self.engine:
+            await self._handle(await self._next_control())
+
+    # -- the engine ------------------------------------------------------------------
+    async def _start(self, order: int, slot: int, greq: GenerateRequest) -> None:
+        await self._drop_engine()
+        self._order = order
+        self._progress = _Progress()
+        try:
+            engine = await self._client.engine(slot)
+            self._gen = engine.generate(greq)
+        except Exception as exc:
+            self._fault(exc)
+            return
+        first = await self._read()
+        if first is not None:
+            self._pending.append(first)
+
+    async def _drop_engine(self) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            await aclose_quietly(gen)
+
+    async def _read(self) -> TokenChunk | None:
+        """The engine's next chunk; None when the router's word came first or the engine
+        failed (reported: the router answers with a new order or an error)."""
+        gen = self._gen
+        assert gen is not None
+        waiting = asyncio.timeout(None)
+        try:
+            async with waiting:
+                self._wait = waiting
+                if self._control:
+                    waiting.reschedule(asyncio.get_running_loop().time())
+                chunk = await gen.__anext__()
+        except TimeoutError as exc:
+            if waiting.expired():
+                return None
+            self._fault(exc)
+            return None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as exc:
+            self._fault(exc)
+            return None
+        finally:
+            self._wait = None
+        self._account(chunk)
+        return chunk
+
+    def _fault(self, exc: BaseException) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            self._client.later(aclose_quietly(gen))
+        if isinstance(exc, StopAsyncIteration):
+            fault: tuple[str, str, str | None] = ("ended", "", None)
+        elif isinstance(exc, ValueError):  # the request's own fault (RequestRefused)
+            fault = ("refused", str(exc), getattr(exc, "param", None))
+        else:
+            fault = ("engine", f"{type(exc).__name__}: {exc}", None)
+        if self._progress.ids or self._progress.outputs or self._progress.raw:
+            self._report(self._progress.take(TokenChunk((), False), False))
+        self._client.report(self._rid, self._order, fault)
+
+    def _account(self, chunk: TokenChunk) -> None:
+        p = self._progress
+        now = time.monotonic()
+        outputs = len(chunk.token_ids)
+        if chunk.raw:
+            p.raw = True
+            if self._streamed and not outputs:
+                outputs = output_events_in(chunk.raw)
+            p.usage = max(p.usage, output_tokens_in(chunk.raw))
+        if outputs:
+            # As the router samples relayed chunks (RouterService.on_chunk).
+            if self._sent_output:
+                p.gaps.append((now - p.last, outputs))
+            elif outputs > 1:
+                p.gaps.append((0.0, outputs - 1))
+            self._sent_output = True
+            p.last = now
+        p.ids.extend(chunk.token_ids)
+        p.outputs += outputs
+        if chunk.num_cached_tokens:
+            p.cached = chunk.num_cached_tokens
+            self.cached_tokens = chunk.num_cached_tokens
+        if chunk.status:
+            p.status = chunk.status
+        if p.first or chunk.finished or now - self._last_report >= REPORT_EVERY_S:
+            self._report(p.take(chunk, chunk.finished))
+
+    def _report(self, chunk: ReportedChunk) -> None:
+        self._last_report = time.monotonic()
+        self._client.report(self._rid, self._order, chunk)
+
+    # -- the client's side -----------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[TokenChunk]:
+        while True:
+            if self._pending:
+                chunk = self._pending.popleft()
+                if chunk.finished:
+                    self._ended = True
+                yield chunk
+                if self._ended and not self._pending:
+                    return
+                continue
+            if self._ended:
+                return
+            if self._control:
+                await self._handle(self._control.popleft())
+                continue
+            if self._gen is None:
+                await self._handle(await self._next_control())
+                continue
+            read = await self._read()
+            if read is not None:
+                self._pending.append(read)
+
+    async def aclose(self) -> None:
+        await self._drop_engine()
+        self._client._forget(self._rid, cancel=not self._ended)
+
+
 class ChannelClient:
     """The gateway's side of one channel to a `ChannelServer` in a Ray actor."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, direct: bool = False) -> None:
         self.handle = handle
         self.channel = uuid.uuid4().hex
-        self._waiting: dict[str, asyncio.Future[ServiceResult] | asyncio.Queue[Message]] = {}
+        self._waiting: dict[
+            str, asyncio.Future[ServiceResult] | asyncio.Queue[Message] | _DirectStream
+        ] = {}
         self._batch: list[tuple[ServiceRequest, bool]] = []
         self._cancels: list[str] = []
+        self._reports: list[tuple[str, int, Any]] = []
         self._flush_scheduled = False
         self._listener: asyncio.Task[None] | None = None
+        # Direct streams: the engines as the router lets this gateway reach them.
+        self.direct = direct
+        self._views: asyncio.Future[list[EngineView | None]] | None = None
+        self._engines: dict[int, asyncio.Future[StreamingEngine]] = {}
+        self._background: set[asyncio.Future[None]] = set()
 
     # -- plumbing --------------------------------------------------------------------
     def _ensure_listener(self) -> None:
@@ -182,7 +521,9 @@ class ChannelClient:
         waiter = self._waiting.get(msg[1])
         if waiter is None:
             return
-        if isinstance(waiter, asyncio.Queue):
+        if isinstance(waiter, _DirectStream):
+            waiter.put(msg)
+        elif isinstance(waiter, asyncio.Queue):
             waiter.put_nowait(msg)
         elif not waiter.done():
             if msg[0] == "result":
@@ -211,6 +552,36 @@ class ChannelClient:
         if self._cancels:
             cancels, self._cancels = self._cancels, []
             self.handle.cancel.remote(self.channel, cancels)
+        if self._reports:
+            reports, self._reports = self._reports, []
+            self.handle.report.remote(self.channel, reports)
+
+    def later(self, work: Awaitable[None]) -> None:
+        """Run `work` in the background (kept referenced until it is done)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def report(self, rid: str, order: int, payload: Any) -> None:
+        """Tell the router of a direct stream's progress (leaves with this tick's batch)."""
+        self._reports.append((rid, order, payload))
+        self._schedule()
+
+    async def _direct_views(self) -> list[EngineView | None]:
+        if self._views is None:
+            self._views = asyncio.ensure_future(self.handle.direct_views.remote(self.channel))
+        return await asyncio.shield(self._views)
+
+    async def engine(self, slot: int) -> StreamingEngine:
+        """This gateway's client of the engine in `slot` (connected once)."""
+        future = self._engines.get(slot)
+        if future is None or (future.done() and future.exception() is not None):
+            views = await self._direct_views()
+            view = views[slot]
+            if view is None:
+                raise RuntimeError(f"engine slot {slot} is not reachable from the gateway")
+            future = self._engines[slot] = asyncio.ensure_future(view.connect())
+        return await asyncio.shield(future)
 
     async def _watch_submit(self, ref: Any, rids: list[str]) -> None:
         try:
@@ -228,6 +599,9 @@ class ChannelClient:
 
     # -- calls -----------------------------------------------------------------------
     async def complete(self, req: ServiceRequest) -> ServiceResult:
+        if self.direct:
+            # Run here as a stream; the whole answer is gathered from the engine's chunks.
+            return await collect_result(await self._open_direct(req))
         self._ensure_listener()
         fut: asyncio.Future[ServiceResult] = asyncio.get_running_loop().create_future()
         self._waiting[req.request_id] = fut
@@ -241,7 +615,9 @@ class ChannelClient:
         finally:
             self._waiting.pop(req.request_id, None)
 
-    async def open(self, req: ServiceRequest) -> _Stream:
+    async def open(self, req: ServiceRequest) -> _Stream | _DirectStream:
+        if self.direct:
+            return await self._open_direct(req)
         self._ensure_listener()
         q: asyncio.Queue[Message] = asyncio.Queue()
         self._waiting[req.request_id] = q
@@ -258,7 +634,28 @@ class ChannelClient:
         engine, placement = payload
         return _Stream(self, req.request_id, engine, placement, q)
 
+    async def _open_direct(self, req: ServiceRequest) -> _DirectStream:
+        self._ensure_listener()
+        if any(view is not None for view in await self._direct_views()):
+            pass  # the router now sends this channel orders for the engines it can reach
+        call = req.call
+        stream = _DirectStream(self, req.request_id, call is None or call.stream)
+        self._waiting[req.request_id] = stream
+        self._batch.append((req, True))
+        self._schedule()
+        try:
+            await stream.opening()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
     async def close(self) -> None:
+        for future in self._engines.values():
+            if future.done() and future.exception() is None:
+                with contextlib.suppress(Exception):
+                    await future.result().close()
+        self._engines.clear()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -76,10 +76,10 @@ class RayRouterClient:
     does not own the actor (a gateway that joined a shared router) leaves it running
     when it closes: other gateways still route through it."""
 
-    def __init__(self, handle: Any, owns: bool = True) -> None:
+    def __init__(self, handle: Any, owns: bool = True, direct: bool = False) -> None:
         self.handle = handle
         self._owns = owns
-        self._channel = ChannelClient(handle)
+        self._channel = ChannelClient(handle, direct=direct)
 
     async def open(self, req: ServiceRequest) -> TokenStream:
         return await self._channel.open(req)

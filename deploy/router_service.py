@@ -18,9 +18,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from wasma.core.events import KVEvent
 from wasma.core.profile import Profile
@@ -32,6 +32,7 @@ from wasma.deploy.journal import WorkflowJournal
 from wasma.deploy.live_request import (
     EngineFault,
     LiveRequest,
+    ReportedChunk,
     RouterStream,
 )
 from wasma.deploy.metrics import WasmaMetrics
@@ -86,6 +87,52 @@ def output_tokens_in(raw: bytes) -> int:
         if j > i:
             best = max(best, int(raw[i:j]))
     return best
+
+
+class ResultStream(Protocol):
+    engine: str
+    kind: str
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def collect_result(stream: ResultStream) -> ServiceResult:
+    """A whole answer from an opened stream (closed at the end)."""
+    ids: list[int] = []
+    text: list[str] = []
+    raw: list[bytes] = []
+    status = 0
+    reason: str | None = None
+    stop: int | str | None = None
+    try:
+        async for chunk in stream:
+            ids.extend(chunk.token_ids)
+            if chunk.text:
+                text.append(chunk.text)
+            if chunk.raw:
+                raw.append(chunk.raw)
+            if chunk.status:
+                status = chunk.status
+            if chunk.finished:
+                reason, stop = chunk.finish_reason, chunk.stop_reason
+    finally:
+        await stream.aclose()
+    return ServiceResult(
+        stream.engine,
+        stream.kind,
+        ids,
+        reason,
+        stream.cached_tokens,
+        "".join(text),
+        b"".join(raw),
+        status,
+        stop,
+    )
 
 
 class RouterService:
@@ -253,61 +300,36 @@ class RouterService:
 
     async def complete(self, req: ServiceRequest) -> ServiceResult:
         """Run `req` to the end (the non-streaming path: one call, one answer)."""
-        stream = await self.open(req)
-        ids: list[int] = []
-        text: list[str] = []
-        raw: list[bytes] = []
-        status = 0
-        reason: str | None = None
-        stop: int | str | None = None
-        try:
-            async for chunk in stream:
-                ids.extend(chunk.token_ids)
-                if chunk.text:
-                    text.append(chunk.text)
-                if chunk.raw:
-                    raw.append(chunk.raw)
-                if chunk.status:
-                    status = chunk.status
-                if chunk.finished:
-                    reason, stop = chunk.finish_reason, chunk.stop_reason
-        finally:
-            await stream.aclose()
-        return ServiceResult(
-            stream.engine,
-            stream.kind,
-            ids,
-            reason,
-            stream.cached_tokens,
-            "".join(text),
-            b"".join(raw),
-            status,
-            stop,
-        )
+        return await collect_result(await self.open(req))
 
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
         call = live.req.call
         now = self.now()
+        engine = self.engines[live.slot].name
+        reported = chunk if isinstance(chunk, ReportedChunk) else None
+        raw = bool(chunk.raw) or (reported is not None and reported.raw_seen)
         # One inter-token sample a token after the first, as vLLM's own histogram (one an
         # engine step, a token a step without speculative decoding). A chunk of k tokens (a
         # simulated engine's closed-form decode stretch, a reader that fell behind) spreads
         # its gap over them; a passed-through read counts its output events; tokens that
-        # came with the first one came with no gap.
+        # came with the first one came with no gap. A gateway's report brings those
+        # samples as it took them.
         outputs = len(chunk.token_ids)
-        if not outputs and chunk.raw and call is not None and call.stream:
-            outputs = output_events_in(chunk.raw)
-        if outputs and live.first_s is not None:
-            self.metrics.observe_inter_token(
-                self.engines[live.slot].name, now - live.last_s, outputs
-            )
+        if not outputs and raw and call is not None and call.stream:
+            outputs = reported.outputs if reported is not None else output_events_in(chunk.raw)
+        if reported is not None:
+            for gap, count in reported.gaps:
+                self.metrics.observe_inter_token(engine, gap, count)
+        elif outputs and live.first_s is not None:
+            self.metrics.observe_inter_token(engine, now - live.last_s, outputs)
         elif outputs > 1:
-            self.metrics.observe_inter_token(self.engines[live.slot].name, 0.0, outputs - 1)
+            self.metrics.observe_inter_token(engine, 0.0, outputs - 1)
         if live.first_s is None and (
             chunk.token_ids
             # A passed-through stream's first bytes come with its first output; a
             # passed-through whole answer says nothing of when its first token came.
-            or (chunk.raw and call is not None and call.stream)
-            or (chunk.finished and not chunk.raw and not live.raw_sent)
+            or (raw and call is not None and call.stream)
+            or (chunk.finished and not raw and not live.raw_sent)
         ):
             live.first_s = now
             self.dispatch.on_first_token(live.req.request_id)
@@ -319,11 +341,12 @@ class RouterService:
         live.last_s = self.health_check.progress[live.slot] = now
         if chunk.token_ids:
             live.out_ids.extend(chunk.token_ids)
-        if chunk.raw:
+        if raw:
             live.raw_sent = True
             # The server's own count, where its answer carries usage (a whole answer, a
             # stream with include_usage): the output-token metrics and calibration.
-            live.n_out = max(live.n_out, output_tokens_in(chunk.raw))
+            usage = reported.usage_tokens if reported is not None else output_tokens_in(chunk.raw)
+            live.n_out = max(live.n_out, usage)
         if chunk.finished and chunk.finish_reason != "abort":
             self.health_check.engine_ok(live.slot)
 

@@ -277,10 +277,13 @@ def local_router_factory(
 SHARED_ROUTER_NAMESPACE = "wasma"
 
 
-def ray_router_factory(cfg: ServiceConfig, shared_name: str | None = None) -> Any:
+def ray_router_factory(
+    cfg: ServiceConfig, shared_name: str | None = None, direct: bool = True
+) -> Any:
     """The router as a Ray actor. With `shared_name`, one detached actor of that name
     serves every gateway that names it: the first to start creates it, the others join
-    it, so all of them place on one view of workflows, prefixes and loads."""
+    it, so all of them place on one view of workflows, prefixes and loads. `direct`: the
+    gateway streams from the engines it can reach itself (deploy/ray_channel.py)."""
 
     async def factory() -> RouterClient:
         import ray
@@ -312,7 +315,7 @@ def ray_router_factory(cfg: ServiceConfig, shared_name: str | None = None) -> An
                 len(engines),
                 cfg.engines.count,
             )
-        return RayRouterClient(handle, owns=shared_name is None)
+        return RayRouterClient(handle, owns=shared_name is None, direct=direct)
 
     return factory
 
@@ -411,7 +414,11 @@ def serve_main(args: argparse.Namespace) -> int:
             ray.init(address=args.address)
         else:
             ray.init(include_dashboard=False)
-        factory = ray_router_factory(cfg, getattr(args, "shared_router", None))
+        factory = ray_router_factory(
+            cfg,
+            getattr(args, "shared_router", None),
+            direct=not getattr(args, "relay_tokens", False),
+        )
     app = create_app(factory, frontend, gcfg, lifecycle)
     if gcfg.admin_port is not None:
         return _serve_two(app, args.host, args.port, gcfg.admin_port, limits, lifecycle)

@@ -13,7 +13,7 @@ import pickle
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from wasma.core.events import EngineStats, KVEvent
 
@@ -217,6 +217,32 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+    def direct_view(self) -> EngineView | None:
+        """What another process needs to run this engine's requests itself (a gateway
+        that streams tokens straight from the engine while the router keeps the books),
+        or None: its requests stream through the router's process (a simulated engine
+        lives there)."""
+        return None
+
+
+class StreamingEngine(Protocol):
+    """An engine reached through its `EngineView`: generation only."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
+
+    async def close(self) -> None: ...
+
+
+class EngineView(ABC):
+    """A picklable way to reach an engine from another process."""
+
+    name: str
+
+    @abstractmethod
+    async def connect(self) -> StreamingEngine:
+        """A client of the engine in this process, for generation only (no load
+        scrapes, no KV events: the router that placed the request keeps those)."""
 
 
 E = TypeVar("E", bound=EngineClient)

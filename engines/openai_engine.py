@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -29,6 +29,7 @@ from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
     EngineCall,
     EngineClient,
+    EngineView,
     GenerateRequest,
     KVEventSink,
     RequestRefused,
@@ -105,6 +106,35 @@ class RemoteEngineError(RuntimeError):
     """The server failed (5xx, connection lost): the engine's fault, not the client's."""
 
 
+@dataclass(frozen=True)
+class OpenAIView(EngineView):
+    """An `OpenAIEngine` as another process reaches it: the server's address and what
+    the router learnt of it at start (model, block size, token generation)."""
+
+    name: str
+    base_url: str
+    model: str | None
+    api_key: str | None
+    block_size: int
+    request_timeout_s: float
+    tokens_api: bool | None
+    max_model_len: int | None
+
+    async def connect(self) -> OpenAIEngine:
+        engine = OpenAIEngine(
+            self.name,
+            self.base_url,
+            model=self.model,
+            api_key=self.api_key,
+            block_size=self.block_size,
+            request_timeout_s=self.request_timeout_s,
+            tokens_api=bool(self.tokens_api),
+        )
+        engine.max_model_len = self.max_model_len
+        engine.open_streams()
+        return engine
+
+
 class OpenAIEngine(EngineClient):
     """One remote vLLM OpenAI server. `await start()` before use."""
 
@@ -157,6 +187,7 @@ class OpenAIEngine(EngineClient):
         self._use_aiohttp = transport is None
         self._aio: Any = None  # aiohttp.ClientSession, opened on the loop in start()
         self._request_timeout_s = request_timeout_s
+        self._api_key = api_key
         self._headers = headers
         self._sinks: list[KVEventSink] = []
         self._feed = KVEventFeed(name, self.block_size)
@@ -194,6 +225,24 @@ class OpenAIEngine(EngineClient):
         self._tasks.append(loop.create_task(self._scrape_loop()))
         if self._kv_endpoint:
             self._tasks.append(loop.create_task(self._kv_loop(self._kv_endpoint)))
+
+    def open_streams(self) -> None:
+        """Ready to generate without `start()` (no model lookup, no scrapes): how a
+        gateway reaches the engine through its `direct_view`."""
+        if self._use_aiohttp and self._aio is None:
+            self._aio = self._open_session()
+
+    def direct_view(self) -> OpenAIView:
+        return OpenAIView(
+            self.name,
+            self.base_url,
+            self.model,
+            self._api_key,
+            self.block_size,
+            self._request_timeout_s,
+            self.tokens_api,
+            self.max_model_len,
+        )
 
     async def _offers_tokens_api(self) -> bool:
         """Whether the server answers token-in/token-out generation: an empty request
@@ -357,14 +406,21 @@ class OpenAIEngine(EngineClient):
             body["vllm_xargs"] = xargs
         return body
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        call = request.call
+        if call is not None and not (
+            self.tokens_api and call.generate is not None and not call.needs_api
+        ):
+            # The client's request as it is: the stream it reads is this one, with no
+            # generator between (the pass-through is the gateway's hot path).
+            return self._forward(request, call)
+        return self._generate_tokens(request)
+
+    async def _generate_tokens(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         call = request.call
         path = "/v1/completions"
         if call is not None:
-            if not (self.tokens_api and call.generate is not None and not call.needs_api):
-                async for piece in self._forward(request, call):
-                    yield piece
-                return
+            assert call.generate is not None
             # Token ids out: the gateway derenders them with vLLM's derenderer, and a
             # stream cut by a failure continues on another engine from them.
             content = self._generate_body(request, call.generate.get())
@@ -431,18 +487,19 @@ class OpenAIEngine(EngineClient):
         body["vllm_xargs"] = {**own, **xargs} if isinstance(own, dict) else xargs
         return _JSON_ENCODER.encode(body)
 
-    async def _forward(
-        self, request: GenerateRequest, call: EngineCall
-    ) -> AsyncIterator[TokenChunk]:
+    def _forward(self, request: GenerateRequest, call: EngineCall) -> AsyncIterator[TokenChunk]:
         """Pass the client's request through: the server's status and body bytes come
         back as they are (an error too: a 4xx is the server's answer, not its fault).
         The first chunk carries the status; the last one is `finished`."""
         content = self._call_body(request, call)
         headers = {"x-request-id": request.request_id, "content-type": "application/json"}
         if self._aio is not None:
-            async for piece in self._forward_aio(call, content, headers):
-                yield piece
-            return
+            return self._forward_aio(call, content, headers)
+        return self._forward_httpx(call, content, headers)
+
+    async def _forward_httpx(
+        self, call: EngineCall, content: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[TokenChunk]:
         try:
             async with self._http.stream(
                 "POST", call.path, content=content, headers=headers

@@ -17,6 +17,7 @@ from typing import Any
 from wasma.core.events import EngineStats, KVEvent
 from wasma.engines.base import (
     EngineClient,
+    EngineView,
     GenerateRequest,
     KVEventSink,
     TokenChunk,
@@ -86,6 +87,47 @@ class VLLMEngineActor:
         await self._engine.close()
 
 
+async def _actor_stream(actor: Any, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+    """A request's chunks from a `VLLMEngineActor`, one Ray object each."""
+    import ray
+
+    gen = actor.generate.options(num_returns="streaming").remote(request)
+    finished = False
+    try:
+        async for ref in gen:
+            chunk: TokenChunk = await ref
+            finished = chunk.finished
+            yield chunk
+    finally:
+        if not finished:
+            # The consumer stopped early (or was cancelled): stop the actor's task so
+            # vLLM aborts the request instead of generating into the void.
+            ray.cancel(gen)
+
+
+class RayVLLMView(EngineView):
+    """A `VLLMEngineActor` reached from another process of the cluster (its handle
+    pickles): the gateway streams a request's chunks from the actor itself."""
+
+    def __init__(self, name: str, actor: Any) -> None:
+        self.name = name
+        self.actor = actor
+
+    async def connect(self) -> _ActorStreams:
+        return _ActorStreams(self.actor)
+
+
+class _ActorStreams:
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        return _actor_stream(self._actor, request)
+
+    async def close(self) -> None:
+        pass  # the actor is the router's to stop
+
+
 class RayVLLMEngine(EngineClient):
     """An `EngineClient` whose engine runs in a Ray actor (on any node of the cluster).
 
@@ -136,21 +178,11 @@ class RayVLLMEngine(EngineClient):
         if self._sinks:
             self._ensure_poller()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        import ray
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        return _actor_stream(self._actor, request)
 
-        gen = self._actor.generate.options(num_returns="streaming").remote(request)
-        finished = False
-        try:
-            async for ref in gen:
-                chunk: TokenChunk = await ref
-                finished = chunk.finished
-                yield chunk
-        finally:
-            if not finished:
-                # The consumer stopped early (or was cancelled): stop the actor's task so
-                # vLLM aborts the request instead of generating into the void.
-                ray.cancel(gen)
+    def direct_view(self) -> RayVLLMView:
+        return RayVLLMView(self.name, self._actor)
 
     async def stats(self) -> EngineStats:
         stats: EngineStats = await self._actor.stats.remote()

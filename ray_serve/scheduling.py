@@ -315,11 +315,16 @@ class SchedulingState:
         # The replica checks the model name; placement only needs the prompt's ids.
         data = {**body, "model": self.frontend.model_name}
         try:
-            if kind == "responses":
-                return self._loop.run_until_complete(
-                    render_responses(self.frontend, data, previous)
+            # This thread waits for the render whatever runs it, so it runs here: the
+            # renderer's thread pool would only add two hand-offs.
+            with self.frontend.inline(0):
+                if kind == "responses":
+                    return self._loop.run_until_complete(
+                        render_responses(self.frontend, data, previous)
+                    )
+                rendered: Rendered = self._loop.run_until_complete(
+                    render(self.frontend, kind, data)
                 )
-            rendered: Rendered = self._loop.run_until_complete(render(self.frontend, kind, data))
         except ApiAnswer:
             return None
         return Prompt(rendered.token_ids, rendered.max_tokens)
