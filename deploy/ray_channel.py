@@ -275,7 +275,6 @@ class _Progress:
         self.cached: int | None = None
         self.status = 0
         self.first = True  # nothing of this order reported yet
-        self.last = 0.0  # when an output last came (for the inter-token samples)
 
     def take(self, chunk: TokenChunk, finished: bool) -> ReportedChunk:
         out = ReportedChunk(
@@ -314,6 +313,7 @@ class _DirectStream:
         self._pending: collections.deque[TokenChunk] = collections.deque()
         self._ended = False
         self._sent_output = False  # an output went to the client (inter-token samples)
+        self._last_output = 0.0  # when (on any of its engines)
         self._progress = _Progress()
         self._last_report = 0.0
 
@@ -352,9 +352,18 @@ class _DirectStream:
             raise payload
 
     async def opening(self) -> None:
-        """Until the router says where the request runs (its first chunk is in hand)."""
+        """Until the router says where the request runs: it places the request, orders
+        it to an engine and, once the first chunk is reported, opens it."""
         while not self.engine:
-            await self._handle(await self._next_control())
+            if self._control:
+                await self._handle(self._control.popleft())
+            elif self._gen is not None and self._progress.first:
+                # Read until the order's first chunk (the router waits for it to open).
+                first = await self._read()
+                if first is not None:
+                    self._pending.append(first)
+            else:
+                await self._handle(await self._next_control())
 
     # -- the engine ------------------------------------------------------------------
     async def _start(self, order: int, slot: int, greq: GenerateRequest) -> None:
@@ -366,10 +375,7 @@ class _DirectStream:
             self._gen = engine.generate(greq)
         except Exception as exc:
             self._fault(exc)
-            return
-        first = await self._read()
-        if first is not None:
-            self._pending.append(first)
+        # The reading loops (`opening`, `_chunks`) take it from here.
 
     async def _drop_engine(self) -> None:
         gen, self._gen = self._gen, None
@@ -429,11 +435,11 @@ class _DirectStream:
         if outputs:
             # As the router samples relayed chunks (RouterService.on_chunk).
             if self._sent_output:
-                p.gaps.append((now - p.last, outputs))
+                p.gaps.append((now - self._last_output, outputs))
             elif outputs > 1:
                 p.gaps.append((0.0, outputs - 1))
             self._sent_output = True
-            p.last = now
+            self._last_output = now
         p.ids.extend(chunk.token_ids)
         p.outputs += outputs
         if chunk.num_cached_tokens:
@@ -502,6 +508,14 @@ class ChannelClient:
     # -- plumbing --------------------------------------------------------------------
     def _ensure_listener(self) -> None:
         if self._listener is None or self._listener.done():
+            if self._listener is not None:
+                # The router restarted: it knows this channel no more, and its engines
+                # may be new ones; ask again and reconnect.
+                self._views = None
+                engines, self._engines = self._engines, {}
+                for future in engines.values():
+                    if future.done() and future.exception() is None:
+                        self.later(future.result().close())
             self._listener = asyncio.get_running_loop().create_task(self._listen())
 
     async def _listen(self) -> None:

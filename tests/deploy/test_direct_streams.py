@@ -54,10 +54,34 @@ def frontend(vllm_api_server: tuple[str, str]) -> Any:
     return asyncio.run(Frontend.build(options))
 
 
+@pytest.fixture(scope="module")
+def tokens_frontend(vllm_api_server: tuple[str, str]) -> Any:
+    """The front end for token-in/token-out engines: it renders as the server does (no
+    prefix-cache counts in usage: the server runs without them)."""
+    from wasma.deploy.frontend import Frontend, FrontendOptions
+
+    options = FrontendOptions(
+        model=vllm_api_server[1],
+        served_model_name=(MODEL,),
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        max_model_len=2048,
+        prompt_tokens_details=False,
+    )
+    return asyncio.run(Frontend.build(options))
+
+
 @contextlib.contextmanager
-def _gateway(frontend: Any, engines: str, *, direct: bool) -> Iterator[tuple[str, Any]]:
-    """A gateway over a router actor of its own: (url, the actor's handle)."""
-    cfg = ServiceConfig(engines=EngineSpec.parse(engines), policy="wasma")
+def _gateway(
+    frontend: Any, engines: str, *, direct: bool, tokens: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """A gateway over a router actor of its own: (url, the actor's handle); `tokens`:
+    the engines driven through their token-in/token-out generation."""
+    cfg = ServiceConfig(
+        engines=EngineSpec.parse(engines),
+        policy="wasma",
+        engine_options={"tokens_api": True} if tokens else {},
+    )
     app = create_app(
         ray_router_factory(cfg, direct=direct), frontend, GatewayConfig(model_names=(MODEL,))
     )
@@ -145,10 +169,14 @@ def test_relay_tokens_streams_through_the_router_as_before(
 class _FailingFront:
     """An HTTP front for a real vLLM server that passes every GET through (health,
     metrics, models: the router sees a healthy engine) and answers every POST with 500,
-    as an API server whose engine core died does."""
+    as an API server whose engine core died does; with `cut_after`, a POST is passed
+    through until that many stream events, then its connection is dropped (a server
+    that dies mid-answer)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, cut_after: int | None = None) -> None:
         self.upstream = upstream
+        self.cut_after = cut_after
+        self.relayed = 0  # stream events passed through before cuts
         self.port = free_port()
         self.posts = 0
         self._loop = asyncio.new_event_loop()
@@ -164,9 +192,12 @@ class _FailingFront:
         from aiohttp import web
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            if request.method == "POST":
+            if request.method == "POST" and self.cut_after is None:
                 self.posts += 1
                 return web.Response(status=500, text="engine core is gone")
+            if request.method == "POST":
+                self.posts += 1
+                return await cut(request)
             async with httpx.AsyncClient() as http:
                 resp = await http.get(self.upstream + request.path_qs, timeout=30)
             return web.Response(
@@ -174,6 +205,32 @@ class _FailingFront:
                 body=resp.content,
                 content_type=resp.headers.get("content-type", "text/plain").split(";")[0],
             )
+
+        async def cut(request: web.Request) -> web.StreamResponse:
+            assert self.cut_after is not None
+            body = await request.read()
+            out = web.StreamResponse(status=200, headers={"content-type": "text/event-stream"})
+            await out.prepare(request)
+            events = 0
+            async with (
+                httpx.AsyncClient() as http,
+                http.stream(
+                    "POST",
+                    self.upstream + request.path_qs,
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout=60,
+                ) as up,
+            ):
+                async for line in up.aiter_lines():
+                    await out.write(line.encode() + b"\n")
+                    events += line.startswith("data:")
+                    self.relayed += line.startswith("data:")
+                    if events >= self.cut_after:
+                        break
+            assert request.transport is not None
+            request.transport.close()  # mid-answer: the client's read fails
+            return out
 
         async def main() -> None:
             app = web.Application()
@@ -219,3 +276,58 @@ def test_an_engine_failing_in_the_gateways_hands_moves_the_request(
     assert health["failovers"] >= 1 and health["engine_faults"] >= 1
     assert health["completed"] == 4 and health["failed"] == 0
     assert counts["relayed_chunks"] == 0
+
+
+def test_a_stream_cut_mid_answer_continues_on_another_engine_from_its_tokens(
+    local_ray: None, vllm_api_server: tuple[str, str], tokens_frontend: Any
+) -> None:
+    """Token ids out (`tokens_api`): the gateway reports the ids it relayed, and the
+    router's new order continues from them on the other engine; the client reads one
+    stream of the whole answer."""
+    url = vllm_api_server[0]
+    answers = []
+    with (
+        _FailingFront(url, cut_after=4) as front,
+        _gateway(tokens_frontend, f"openai:{front.url},{url}", direct=True, tokens=True) as (
+            gw,
+            actor,
+        ),
+    ):
+        client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
+        for k in range(6):
+            events = list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"plan number {k}"}],
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            answers.append(events)
+            if front.posts:
+                break
+        health = _settled(actor)
+        counts = ray.get(actor.channel_counts.remote())
+    assert front.posts == 1  # one answer was cut on the failing engine...
+    assert health["failovers"] == 1  # ...and moved once
+    assert health["completed"] == len(answers) and health["failed"] == 0
+    assert counts["relayed_chunks"] == 0
+    assert front.relayed >= 2  # the cut answer had its first tokens out already
+    direct = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    for k, events in enumerate(answers):
+        # Greedy, so the continued answer is the one the server gives in one go.
+        expected = direct.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"plan number {k}"}],
+            max_tokens=12,
+            temperature=0,
+        )
+        text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+        assert text == expected.choices[0].message.content
+    for events in answers:  # every answer is whole: 12 tokens, one finish, one usage
+        finishes = [e.choices[0].finish_reason for e in events if e.choices]
+        assert [f for f in finishes if f] == ["length"]
+        usage = [e.usage for e in events if e.usage is not None]
+        assert len(usage) == 1 and usage[0].completion_tokens == 12
