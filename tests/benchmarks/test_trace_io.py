@@ -247,12 +247,8 @@ def test_sessions_export_at_each_turns_time(tmp_path: Path) -> None:
     assert recs[2]["hash_ids"][:2] == recs[0]["hash_ids"][:2]
     assert recs[4]["hash_ids"][:3] == recs[2]["hash_ids"][:3]
     out = tmp_path / "mc.jsonl"
-    assert (
-        main(
-            ["trace", "import", "--format", "mooncake", "--sessions", str(SLICE)] + ["-o", str(out)]
-        )
-        == 0
-    )
+    args = ["trace", "import", "--format", "mooncake", "--sessions", str(SLICE), "-o", str(out)]
+    assert main(args) == 0
     assert sum(len(w) for w in load_trace(out)) == 200
 
 
