@@ -314,12 +314,12 @@ class Replayer:
             # A node with its own arrival and deadline is a unit of its own, as in the
             # simulator (SimReplay); its clock starts at its arrival.
             for nid, v in own.items():
-                r = self.results.get((w.workflow_id, nid))
+                done = self.results.get((w.workflow_id, nid))
                 key = f"{w.workflow_id}/{nid}"
-                if r is not None and key in self.wf_arrival:
+                if done is not None and key in self.wf_arrival:
                     assert v.arrival_s is not None and v.deadline_s is not None
                     arrival = v.arrival_s / self.rate_scale
-                    wfs.append(WorkflowRecord(key, w.app, arrival, v.deadline_s, r.finish_s))
+                    wfs.append(WorkflowRecord(key, w.app, arrival, v.deadline_s, done.finish_s))
             if len(own) < len(w.nodes) and w.workflow_id in self.wf_finish:
                 wfs.append(
                     WorkflowRecord(

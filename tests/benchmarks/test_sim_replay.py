@@ -393,10 +393,12 @@ def test_a_turn_starts_at_its_arrival_and_never_before_its_parent_finished(
     # t1 arrived while t0 was decoding: it waits for t0's answer.
     assert by["t0"].finish_s > 1.2 / scale
     assert by["t1"].submit_s == pytest.approx(by["t0"].finish_s)
-    # t2 arrives after t1 finished: it starts at its own arrival, and reuses t1's KV.
+    # t2 arrives after t1 finished: it starts at its own arrival; wasma places it where
+    # t1's KV is (least_loaded picks the idle engine).
     assert by["t1"].finish_s < 31.0 / scale
     assert by["t2"].submit_s == pytest.approx(31.0 / scale)
-    assert by["t2"].cached_tokens >= wf.prompt_tokens("t1")
+    if policy == "wasma":
+        assert by["t2"].cached_tokens >= wf.prompt_tokens("t1")
     # Each turn is a unit of its own, timed from its arrival against its own deadline.
     recs = {w.workflow_id: w for w in run.workflows}
     assert sorted(recs) == ["conv/t0", "conv/t1", "conv/t2"]
