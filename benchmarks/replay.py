@@ -240,6 +240,15 @@ class Replayer:
                 if any(p in failed for p in wf.nodes[nid].parents):
                     failed.append(nid)  # no parent output: nothing to send
                     return
+                at = wf.nodes[nid].arrival_s
+                if at is not None:
+                    # Its own arrival (a conversation's next turn): not before it.
+                    wait = at / self.rate_scale - self._now()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    self.wf_arrival[f"{wf.workflow_id}/{nid}"] = max(
+                        self._now(), at / self.rate_scale
+                    )
                 await self._send(http, wf, nid)
             except (ReplayError, httpx.HTTPError, ValueError) as exc:
                 failed.append(nid)
@@ -299,17 +308,28 @@ class Replayer:
                     transferred_bytes=0,
                 )
             )
-        wfs = [
-            WorkflowRecord(
-                w.workflow_id,
-                w.app,
-                self.wf_arrival[w.workflow_id],
-                w.deadline_s,
-                self.wf_finish[w.workflow_id],
-            )
-            for w in self.workflows
-            if w.workflow_id in self.wf_finish
-        ]
+        wfs: list[WorkflowRecord] = []
+        for w in self.workflows:
+            own = {n: v for n, v in w.nodes.items() if v.deadline_s is not None}
+            # A node with its own arrival and deadline is a unit of its own, as in the
+            # simulator (SimReplay); its clock starts at its arrival.
+            for nid, v in own.items():
+                done = self.results.get((w.workflow_id, nid))
+                key = f"{w.workflow_id}/{nid}"
+                if done is not None and key in self.wf_arrival:
+                    assert v.arrival_s is not None and v.deadline_s is not None
+                    arrival = v.arrival_s / self.rate_scale
+                    wfs.append(WorkflowRecord(key, w.app, arrival, v.deadline_s, done.finish_s))
+            if len(own) < len(w.nodes) and w.workflow_id in self.wf_finish:
+                wfs.append(
+                    WorkflowRecord(
+                        w.workflow_id,
+                        w.app,
+                        self.wf_arrival[w.workflow_id],
+                        w.deadline_s,
+                        self.wf_finish[w.workflow_id],
+                    )
+                )
         return RunResult(
             decision_us=_decision_us(self.decisions),
             policy=label,

@@ -75,7 +75,7 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_STEP, _READY = 0, 1
+_STEP, _READY, _WAKE = 0, 1, 2
 _NEVER = float("inf")
 
 
@@ -238,6 +238,10 @@ class SimReplay:
                 wf.workflow_id, wf.app, wf.deadline_s, wf.arrival_s / self.rate_scale, track=False
             )
         deadline = wst.deadline_s if wst is not None else float("inf")
+        own = wf.nodes[node_id]
+        if own.deadline_s is not None:
+            assert own.arrival_s is not None  # checked together by Workflow.create
+            deadline = own.arrival_s / self.rate_scale + own.deadline_s
         info = RequestInfo(
             request_id=rid,
             workflow_id=wf.workflow_id,
@@ -321,6 +325,20 @@ class SimReplay:
                 req.num_cpu_hit_tokens if req.num_cached_tokens > 0 else 0,
             )
         )
+        own = wf.nodes[node_id]
+        if own.deadline_s is not None:
+            # A node with its own arrival and deadline is a unit of its own (a turn of a
+            # session): its record is its arrival to its last token.
+            assert own.arrival_s is not None
+            self.wf_records.append(
+                WorkflowRecord(
+                    f"{wf.workflow_id}/{node_id}",
+                    wf.app,
+                    own.arrival_s / self.rate_scale,
+                    own.deadline_s,
+                    now,
+                )
+            )
         ready = self.dispatch.finish(req.request_id, wf.workflow_id, node_id, now).ready
         if not self.register_dags:
             done = self._finished_nodes.setdefault(wf.workflow_id, set())
@@ -333,12 +351,14 @@ class SimReplay:
                 # The agent's run is over: the router learns the app's shape from it.
                 self._finished_nodes.pop(wf.workflow_id, None)
                 self.dispatch.close_live(wf.workflow_id, now)
-            arrival = wf.arrival_s / self.rate_scale
-            self.wf_records.append(
-                WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
-            )
+            if any(n.deadline_s is None for n in wf.nodes.values()):
+                # (where every node has its own deadline, each was accounted on its own)
+                arrival = wf.arrival_s / self.rate_scale
+                self.wf_records.append(
+                    WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
+                )
         for child in ready:
-            self._submit(wf, child, now)
+            self._when_due(wf, child, now)
         self._release_held(now)
 
     def _end_retention(self, rid: str, now: float) -> None:
@@ -369,7 +389,16 @@ class SimReplay:
             self.dispatch.register(wf, wf.workflow_id, now)
         self._left[wf.workflow_id] = len(wf.nodes)
         for root in wf.roots():
-            self._submit(wf, root, now)
+            self._when_due(wf, root, now)
+
+    def _when_due(self, wf: Workflow, node_id: str, now: float) -> None:
+        """Submit a ready node now, or at its own arrival if that is still to come."""
+        arrival = wf.nodes[node_id].arrival_s
+        due = -1.0 if arrival is None else arrival / self.rate_scale
+        if due > now:
+            self._push(due, _WAKE, (wf, node_id))
+        else:
+            self._submit(wf, node_id, now)
 
     # -- main loop -------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -404,6 +433,9 @@ class SimReplay:
                         self._on_finished(slot, req, now)
                     if not core.busy and core.has_work():
                         self._start(slot, now)
+                elif kind == _WAKE:
+                    wf, node_id = payload
+                    self._submit(wf, node_id, now)
                 else:
                     slot, req, hashes, submitted = payload
                     engines[slot].sync(now)

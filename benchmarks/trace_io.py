@@ -11,7 +11,10 @@ Azure LLM inference traces: CSV `TIMESTAMP,ContextTokens,GeneratedTokens`; they 
 content, so each prompt is unique.
 
 Each request becomes a one-node workflow whose deadline is `slack` x its latency alone on
-an idle engine of `profile` (the apps' rule), since the traces carry none.
+an idle engine of `profile` (the apps' rule), since the traces carry none. With
+`sessions`, Mooncake requests that continue an earlier request's whole context (the next
+turn of a conversation) become that request's children, and a conversation one workflow
+(`session_parents` says which request continues which; docs/kv-tier.md).
 
 Export writes Mooncake lines: the prompt's 512-token blocks are chained as the simulator
 chains its blocks (a block's id names its content and everything before it) and numbered
@@ -35,7 +38,7 @@ from typing import Any
 from wasma.core.profile import Profile
 from wasma.core.tokens import BlockHasher, Piece, Span
 from wasma.scheduler.trace import TraceError
-from wasma.scheduler.workflow import Node, Shared, Unique, Workflow
+from wasma.scheduler.workflow import ContextOf, Node, Segment, Shared, Unique, Workflow
 
 MOONCAKE_BLOCK_TOKENS = 512
 FORMATS = ("mooncake", "azure")
@@ -171,37 +174,129 @@ def read_requests(fmt: str, path: str | Path) -> list[TraceRequest]:
     raise TraceError(f"unknown trace format {fmt!r}; choose from: {', '.join(FORMATS)}")
 
 
+# Fewer shared blocks than this are no evidence of a conversation: every prompt of
+# Mooncake's conversation trace starts with the same block (the service's system prompt).
+SESSION_MIN_BLOCKS = 2
+
+
+def _full_ids(r: TraceRequest) -> tuple[int, ...]:
+    """The ids of the request's full 512-token blocks: a partial last block's id names
+    that block alone, so a longer prompt has another id there."""
+    return r.hash_ids if r.input_tokens % MOONCAKE_BLOCK_TOKENS == 0 else r.hash_ids[:-1]
+
+
+def session_parents(
+    requests: Sequence[TraceRequest], min_blocks: int = SESSION_MIN_BLOCKS
+) -> list[int | None]:
+    """For each request, the index of the earlier request it continues (None: none).
+
+    Request C continues P when P came first (earlier timestamp, or the same and earlier
+    in the file), C's hash ids start with all of P's full-block ids (at least
+    `min_blocks` of them) and C's prompt is longer than P's whole context, its prompt
+    and its output (the next turn holds the answer it follows; Mooncake's ids cover
+    prompts only, so this is checked by length). Of several such P, the one sharing the
+    most blocks, then the longest prompt, then the latest."""
+    by_full: dict[tuple[int, ...], list[int]] = {}
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    parent: list[int | None] = [None] * len(requests)
+    for i in order:
+        c = requests[i]
+        ids = c.hash_ids
+        for k in range(len(ids), min_blocks - 1, -1):
+            fits = [
+                j
+                for j in by_full.get(ids[:k], ())
+                if requests[j].input_tokens + requests[j].output_tokens < c.input_tokens
+            ]
+            if fits:
+                parent[i] = max(fits, key=lambda j: (requests[j].input_tokens, j))
+                break
+        full = _full_ids(c)
+        if len(full) >= min_blocks:
+            by_full.setdefault(full, []).append(i)
+    return parent
+
+
+def _blocks(r: TraceRequest, start: int = 0) -> list[Shared | Unique]:
+    """The request's prompt from token `start` on, one shared segment per block (or the
+    part of it from `start`)."""
+    if not r.hash_ids:
+        return [Unique(r.input_tokens - start)]
+    out: list[Shared | Unique] = []
+    for b, h in enumerate(r.hash_ids):
+        lo = max(b * MOONCAKE_BLOCK_TOKENS, start)
+        hi = min((b + 1) * MOONCAKE_BLOCK_TOKENS, r.input_tokens)
+        if hi > lo:
+            out.append(Shared(f"mooncake:{h}", hi - lo))
+    return out
+
+
 def to_workflows(
     requests: Sequence[TraceRequest],
     profile: Profile,
     slack: float = 2.0,
     app: str = "mooncake",
+    sessions: bool = False,
 ) -> tuple[list[Workflow], int]:
-    """(one workflow a request, how many requests were dropped for exceeding the
-    profile's `max_model_len`)."""
+    """(the workflows, how many requests were dropped for exceeding the profile's
+    `max_model_len`). One workflow a request; with `sessions`, one a conversation."""
     if not slack > 0:
         raise ValueError("--slack must be positive")
     t0 = min(r.arrival_s for r in requests)
-    out: list[Workflow] = []
-    dropped = 0
-    for i, r in enumerate(requests):
-        if r.input_tokens + r.output_tokens > profile.max_model_len:
-            dropped += 1
-            continue
-        prompt: list[Shared | Unique] = []
-        if r.hash_ids:
-            left = r.input_tokens
-            for h in r.hash_ids:
-                n = min(left, MOONCAKE_BLOCK_TOKENS)
-                prompt.append(Shared(f"mooncake:{h}", n))
-                left -= n
-        else:
-            prompt.append(Unique(r.input_tokens))
-        node = Node("r", (), r.output_tokens, tuple(prompt))
+    # Numbered by position in the file, dropped requests included.
+    index = [
+        i
+        for i, r in enumerate(requests)
+        if r.input_tokens + r.output_tokens <= profile.max_model_len
+    ]
+    kept = [requests[i] for i in index]
+    dropped = len(requests) - len(kept)
+
+    def deadline(r: TraceRequest) -> float:
         alone = profile.request_alone_s(r.input_tokens, r.output_tokens)
-        deadline = max(round(slack * alone, 6), 0.001)
-        out.append(Workflow.create(f"{app}-{i}", app, round(r.arrival_s - t0, 6), deadline, [node]))
-    return out, dropped
+        return max(round(slack * alone, 6), 0.001)
+
+    if not sessions:
+        out: list[Workflow] = []
+        for n, r in enumerate(kept):
+            i = index[n]
+            node = Node("r", (), r.output_tokens, tuple(_blocks(r)))
+            arrival = round(r.arrival_s - t0, 6)
+            out.append(Workflow.create(f"{app}-{i}", app, arrival, deadline(r), [node]))
+        return out, dropped
+    parent = session_parents(kept)
+    root = list(range(len(kept)))
+    members: dict[int, list[int]] = {}
+    for n in sorted(range(len(kept)), key=lambda n: kept[n].arrival_s):
+        p = parent[n]
+        root[n] = n if p is None else root[p]
+        members.setdefault(root[n], []).append(n)
+    wfs: list[Workflow] = []
+    for top, group in members.items():
+        name = f"{app}-{index[top]}"
+        arrival = round(kept[top].arrival_s - t0, 6)
+        nodes: list[Node] = []
+        end = 0.0
+        for n in group:
+            r = kept[n]
+            nid = f"r{index[n]}"
+            p = parent[n]
+            if p is None:
+                prompt: list[Segment] = list(_blocks(r))
+                parents: tuple[str, ...] = ()
+            else:
+                # The parent's whole context (prompt and output: the answer this turn
+                # follows), then the rest of this prompt's blocks.
+                q = kept[p]
+                pid = f"r{index[p]}"
+                prompt = [ContextOf(pid), *_blocks(r, q.input_tokens + q.output_tokens)]
+                parents = (pid,)
+            at = round(r.arrival_s - t0, 6)
+            nodes.append(Node(nid, parents, r.output_tokens, tuple(prompt), at, deadline(r)))
+            end = max(end, at - arrival + deadline(r))
+        wfs.append(Workflow.create(name, app, arrival, round(end, 6), nodes))
+    wfs.sort(key=lambda w: w.arrival_s)
+    return wfs, dropped
 
 
 def _tail(span: Span, skip: int) -> tuple[Piece, ...]:
@@ -218,29 +313,35 @@ def _tail(span: Span, skip: int) -> tuple[Piece, ...]:
 
 def to_mooncake(workflows: Iterable[Workflow]) -> list[dict[str, Any]]:
     """Mooncake records for every node, in arrival then DAG order. A node's timestamp is
-    its workflow's arrival (a child's real start depends on its parents); nodes of a
-    workflow with several share its `session_id`, which aiperf replays in order."""
+    its own arrival where it has one (a conversation's turn), else its workflow's (a
+    child's real start depends on its parents); nodes of a workflow with several share
+    its `session_id`, which aiperf replays in order."""
     hasher = BlockHasher(MOONCAKE_BLOCK_TOKENS)
     ids: dict[Any, int] = {}
     out: list[dict[str, Any]] = []
+    todo: list[tuple[float, int, Workflow, str]] = []
     for wf in sorted(workflows, key=lambda w: w.arrival_s):
         for node in wf.topo_order():
-            span = wf.prompt_span(node)
-            tokens = wf.prompt_tokens(node)
-            chain: list[Any] = list(hasher.chain(span))
-            if tokens % MOONCAKE_BLOCK_TOKENS:
-                # A partial last block is named by its prefix and its own content.
-                parent = chain[-1] if chain else None
-                chain.append((parent, _tail(span, len(chain) * MOONCAKE_BLOCK_TOKENS)))
-            rec: dict[str, Any] = {
-                "timestamp": round(wf.arrival_s * 1000),
-                "input_length": tokens,
-                "output_length": wf.nodes[node].output_tokens,
-                "hash_ids": [ids.setdefault(h, len(ids)) for h in chain],
-            }
-            if len(wf.nodes) > 1:
-                rec["session_id"] = wf.workflow_id
-            out.append(rec)
+            at = wf.nodes[node].arrival_s
+            todo.append((wf.arrival_s if at is None else at, len(todo), wf, node))
+    todo.sort(key=lambda t: (t[0], t[1]))
+    for at, _seq, wf, node in todo:
+        span = wf.prompt_span(node)
+        tokens = wf.prompt_tokens(node)
+        chain: list[Any] = list(hasher.chain(span))
+        if tokens % MOONCAKE_BLOCK_TOKENS:
+            # A partial last block is named by its prefix and its own content.
+            parent = chain[-1] if chain else None
+            chain.append((parent, _tail(span, len(chain) * MOONCAKE_BLOCK_TOKENS)))
+        rec: dict[str, Any] = {
+            "timestamp": round(at * 1000),
+            "input_length": tokens,
+            "output_length": wf.nodes[node].output_tokens,
+            "hash_ids": [ids.setdefault(h, len(ids)) for h in chain],
+        }
+        if len(wf.nodes) > 1:
+            rec["session_id"] = wf.workflow_id
+        out.append(rec)
     return out
 
 

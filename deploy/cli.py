@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     imp.add_argument("--profile", default="llama3-8b-h100", help="for deadlines and max_model_len")
     imp.add_argument("--slack", type=_positive_float, default=2.0, help="deadline factor")
+    imp.add_argument(
+        "--sessions",
+        action="store_true",
+        help="Mooncake: a request continuing an earlier one's whole context is its child "
+        "(a conversation's next turn); a conversation becomes one workflow",
+    )
     imp.add_argument("-o", "--output", required=True)
     exp = tsub.add_parser("export", help="write a wasma trace as a Mooncake trace")
     exp.add_argument("--format", required=True, choices=["mooncake"])
@@ -355,13 +361,18 @@ def _cmd_trace_import(args: argparse.Namespace) -> int:
     from wasma.core.profile import load_profile
     from wasma.scheduler.trace import write_trace
 
+    if args.sessions and args.format != "mooncake":
+        raise CLIError("--sessions needs --format mooncake (Azure traces carry no content)")
     profile = load_profile(args.profile)
-    wfs, dropped = to_workflows(read_requests(args.format, args.file), profile, args.slack)
+    reqs = read_requests(args.format, args.file)
+    wfs, dropped = to_workflows(reqs, profile, args.slack, sessions=args.sessions)
     if not wfs:
         raise CLIError(f"every request exceeds the {profile.name} profile's max_model_len")
     write_trace(args.output, wfs)
     note = f"; dropped {dropped} over max_model_len {profile.max_model_len}" if dropped else ""
-    print(f"wrote {len(wfs)} workflows to {args.output}{note}")
+    nodes = sum(len(w) for w in wfs)
+    turns = f" ({nodes} requests)" if args.sessions else ""
+    print(f"wrote {len(wfs)} workflows{turns} to {args.output}{note}")
     return 0
 
 

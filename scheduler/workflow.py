@@ -70,6 +70,14 @@ class Node:
     parents: tuple[str, ...]
     output_tokens: int
     prompt: tuple[Segment, ...]
+    # A node with its own arrival (absolute within the trace, like the workflow's, and
+    # divided by the rate scale with it) starts once its parents have finished *and* its
+    # arrival has come: the next turn of a conversation, sent when its user sent it but
+    # never before the answer it continues. Such a node carries its own deadline
+    # (relative to its arrival) and is accounted as a unit of its own (a user waits for
+    # each turn); None: the node starts when its parents finish, under the workflow's.
+    arrival_s: float | None = None
+    deadline_s: float | None = None
 
 
 @dataclass
@@ -138,6 +146,15 @@ class Workflow:
                 if parent == node.id:
                     raise WorkflowError(f"{here}: lists itself as a parent")
                 graph.add_edge(parent, node.id)
+            if (node.arrival_s is None) != (node.deadline_s is None):
+                raise WorkflowError(f"{here}: arrival_s and deadline_s come together")
+            if node.arrival_s is not None:
+                if not _finite_nonneg(node.arrival_s) or node.arrival_s < arrival_s:
+                    raise WorkflowError(
+                        f"{here}: arrival_s must be a finite number >= the workflow's arrival_s"
+                    )
+                if not _finite_nonneg(node.deadline_s) or cast(float, node.deadline_s) <= 0:
+                    raise WorkflowError(f"{here}: deadline_s must be a finite number > 0")
             if not node.prompt:
                 raise WorkflowError(f"{here}: prompt has no segments")
             if all(isinstance(s, Shared | Unique) and s.tokens == 0 for s in node.prompt):
@@ -276,10 +293,14 @@ class Workflow:
         return max(finish.values())
 
     def remaining_critical_path(self, node_cost: Mapping[str, float]) -> dict[str, float]:
-        """For each node, the longest cost path from its start to the workflow's end."""
+        """For each node, the longest cost path from its start to the end of what its
+        deadline covers: the workflow's end, or the node itself where a child has its own
+        arrival and deadline (it is not on this node's clock)."""
         tail: dict[str, float] = {}
+        nodes = self.nodes
         for n in reversed(self._order):
-            tail[n] = node_cost[n] + max((tail[c] for c in self.graph.successors(n)), default=0.0)
+            after = (tail[c] for c in self.graph.successors(n) if nodes[c].deadline_s is None)
+            tail[n] = node_cost[n] + max(after, default=0.0)
         return tail
 
     # -- (de)serialisation -----------------------------------------------------------
@@ -289,15 +310,7 @@ class Workflow:
             "app": self.app,
             "arrival_s": self.arrival_s,
             "deadline_s": self.deadline_s,
-            "nodes": [
-                {
-                    "id": n.id,
-                    "parents": list(n.parents),
-                    "output_tokens": n.output_tokens,
-                    "prompt": [_segment_to_dict(s) for s in n.prompt],
-                }
-                for n in self.nodes.values()
-            ],
+            "nodes": [_node_to_dict(n) for n in self.nodes.values()],
         }
 
     @classmethod
@@ -352,6 +365,19 @@ class _AncestorSets:
         return bool(self._sets[node_id] & self._bit[ancestor])
 
 
+def _node_to_dict(n: Node) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": n.id,
+        "parents": list(n.parents),
+        "output_tokens": n.output_tokens,
+        "prompt": [_segment_to_dict(s) for s in n.prompt],
+    }
+    if n.arrival_s is not None:
+        out["arrival_s"] = n.arrival_s
+        out["deadline_s"] = n.deadline_s
+    return out
+
+
 def _segment_to_dict(seg: Segment) -> dict[str, Any]:
     if isinstance(seg, Shared):
         return {"shared": seg.key, "tokens": seg.tokens}
@@ -392,7 +418,7 @@ def _node_from_dict(raw: Any, where: str, index: int) -> Node:
     here = f"{where}, node {nid!r}"
     if "id" not in raw:
         raise WorkflowError(f"{where}, node #{index}: missing 'id'")
-    extra = set(raw) - {"id", "parents", "output_tokens", "prompt"}
+    extra = set(raw) - {"id", "parents", "output_tokens", "prompt", "arrival_s", "deadline_s"}
     if extra:
         raise WorkflowError(f"{here}: unknown field(s) {sorted(extra)}")
     parents = raw.get("parents", [])
@@ -410,6 +436,8 @@ def _node_from_dict(raw: Any, where: str, index: int) -> Node:
         parents=tuple(parents),
         output_tokens=cast(int, raw.get("output_tokens")),
         prompt=segs,
+        arrival_s=raw.get("arrival_s"),
+        deadline_s=raw.get("deadline_s"),
     )
 
 

@@ -146,12 +146,19 @@ class Wasma(Policy):
         # ...and have the engine start that load when the request arrives, overlapping
         # its wait in the queue, instead of when it reaches the queue's head.
         "prefetch": True,
+        # Retention of a context whose readers have arrivals of their own (the next
+        # turns of a conversation, sent when their user sends them): a lease this long,
+        # ended as soon as those readers have started. The readers' arrivals are not
+        # read, as a router cannot know when a user comes back; the lease the apps get
+        # (twice the work left) would end long before a next turn comes.
+        "session_lease_s": _LEASE_MAX_S,
     }
     param_bounds: ClassVar[dict[str, tuple[float, float]]] = {
         "kv_headroom": (0.01, 1.0),
         "max_candidates": (1, math.inf),
         "admission_margin": (0.01, 100.0),
         "hopeless_slowdown": (1.0, math.inf),
+        "session_lease_s": (0.0, 86_400.0),
     }
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -199,14 +206,18 @@ class Wasma(Policy):
         return load.pending_prefill_tokens * self._c_prefill + steps * step
 
     # -- workflow lookahead ----------------------------------------------------------
-    def _lookahead(self, wst: WorkflowState | None, req: RequestInfo) -> tuple[float | None, bool]:
-        """(this node's remaining critical path, whether descendants reuse its context):
-        from the workflow's DAG when registered, else from the app's learned shape."""
+    def _lookahead(
+        self, wst: WorkflowState | None, req: RequestInfo
+    ) -> tuple[float | None, bool, bool]:
+        """(this node's remaining critical path, whether descendants reuse its context,
+        whether those all have arrivals of their own): from the workflow's DAG when
+        registered, else from the app's learned shape."""
         if wst is None or wst.workflow is None:
             shapes = self.ctx.shapes
             return (
                 shapes.remaining_s(req.app, req.node_id),
                 shapes.context_reused(req.app, req.node_id),
+                False,
             )
         wf = wst.workflow
         remaining = self._cp_cache.get(wst.workflow_id)
@@ -219,7 +230,9 @@ class Wasma(Policy):
             remaining = self._cp_cache[wst.workflow_id] = wf.remaining_critical_path(cost)
             if len(self._cp_cache) > 100_000:
                 self._cp_cache.pop(next(iter(self._cp_cache)))
-        return remaining.get(req.node_id), bool(wf.context_readers(req.node_id))
+        readers = wf.context_readers(req.node_id)
+        later = bool(readers) and all(wf.nodes[r].arrival_s is not None for r in readers)
+        return remaining.get(req.node_id), bool(readers), later
 
     def _priority(self, req: RequestInfo, rem: float | None, now: float) -> int:
         if not self.p["priority"]:
@@ -467,7 +480,7 @@ class Wasma(Policy):
             and loads[slot].outstanding > 0
             and self._kv_over(slot, req_blocks - hit)
         )
-        remaining, reused = self._lookahead(ctx.workflows.get(req.workflow_id), req)
+        remaining, reused, later = self._lookahead(ctx.workflows.get(req.workflow_id), req)
         kind = (
             PlacementKind.TRANSFER
             if transfer is not None
@@ -478,6 +491,9 @@ class Wasma(Policy):
         if not p["engine_priority"]:
             priority, hold_priority = 0, priority
         defer = ctx.can_defer and (kv_full or self._hold(req, slot, est, remaining, now))
+        lease = _lease_s(remaining) if reused else None
+        if later:
+            lease = float(p["session_lease_s"])
         return Placement(
             engine=slot,
             kind=kind,
@@ -487,7 +503,7 @@ class Wasma(Policy):
             hit_blocks=hit,
             transfer=transfer,
             retain=bool(p["retain"]) and reused,
-            retain_s=_lease_s(remaining) if reused else None,
+            retain_s=lease,
             # Its readers can start once it finishes: the estimate is when.
             retain_use_s=est if reused and p["retain_by_use"] else None,
             estimated_finish_s=now + est,

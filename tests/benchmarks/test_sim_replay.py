@@ -13,7 +13,7 @@ from wasma.benchmarks.metrics import percentile, summarize
 from wasma.benchmarks.sim_replay import RunResult, SimReplay
 from wasma.core.profile import Profile, load_profile
 from wasma.scheduler.registry import PolicyRegistry
-from wasma.scheduler.workflow import Node, Unique, Workflow
+from wasma.scheduler.workflow import ContextOf, Node, Shared, Unique, Workflow, WorkflowError
 
 PROFILE = load_profile("llama3-8b-h100")
 POLICIES = ["round_robin", "least_loaded", "prefix_aware", "kv_aware", "session", "wasma"]
@@ -368,3 +368,58 @@ def test_copies_land_when_the_router_booked_them(broadcast: bool) -> None:
         assert sim.links.joined > 0
     else:
         assert sim.links.joined == 0 and sim.links.queued > 0
+
+
+def _conversation() -> Workflow:
+    """Three turns: t1 comes 0.2 s after t0 (before t0's long answer is done), t2 comes
+    30 s after t0 (long after t1 is done). Each has its own arrival and deadline."""
+    nodes = [
+        Node("t0", (), 400, (Shared("sys", 2048), Unique(100)), 1.0, 20.0),
+        Node("t1", ("t0",), 50, (ContextOf("t0"), Unique(60)), 1.2, 20.0),
+        Node("t2", ("t1",), 50, (ContextOf("t1"), Unique(60)), 31.0, 0.5),
+    ]
+    return Workflow.create("conv", "chat", 1.0, 40.0, nodes)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+@pytest.mark.parametrize("policy", ["least_loaded", "wasma"])
+def test_a_turn_starts_at_its_arrival_and_never_before_its_parent_finished(
+    policy: str, scale: float
+) -> None:
+    wf = _conversation()
+    run = SimReplay([wf], policy, 2, PROFILE, rate_scale=scale).run()
+    by = {r.node_id: r for r in run.requests}
+    assert by["t0"].submit_s == pytest.approx(1.0 / scale)
+    # t1 arrived while t0 was decoding: it waits for t0's answer.
+    assert by["t0"].finish_s > 1.2 / scale
+    assert by["t1"].submit_s == pytest.approx(by["t0"].finish_s)
+    # t2 arrives after t1 finished: it starts at its own arrival; wasma places it where
+    # t1's KV is (least_loaded picks the idle engine).
+    assert by["t1"].finish_s < 31.0 / scale
+    assert by["t2"].submit_s == pytest.approx(31.0 / scale)
+    if policy == "wasma":
+        assert by["t2"].cached_tokens >= wf.prompt_tokens("t1")
+    # Each turn is a unit of its own, timed from its arrival against its own deadline.
+    recs = {w.workflow_id: w for w in run.workflows}
+    assert sorted(recs) == ["conv/t0", "conv/t1", "conv/t2"]
+    assert recs["conv/t1"].arrival_s == pytest.approx(1.2 / scale)
+    assert recs["conv/t1"].finish_s == by["t1"].finish_s
+    assert recs["conv/t2"].deadline_s == 0.5
+    assert summarize(run, "conv")["workflows"] == 3
+
+
+def test_turns_with_own_arrivals_round_trip_and_are_checked() -> None:
+    wf = _conversation()
+    again = Workflow.from_dict(wf.to_dict())
+    assert again.nodes == wf.nodes
+    assert "arrival_s" not in trace("debate")[0].to_dict()["nodes"][0]
+    t0 = Node("t0", (), 4, (Unique(10),))
+    with pytest.raises(WorkflowError, match="come together"):
+        Workflow.create("w", "a", 0.0, 1.0, [dataclasses.replace(t0, arrival_s=1.0)])
+    with pytest.raises(WorkflowError, match="workflow's arrival_s"):
+        Workflow.create(
+            "w", "a", 2.0, 1.0, [dataclasses.replace(t0, arrival_s=1.0, deadline_s=1.0)]
+        )
+    # A turn's remaining critical path stops where the next turn's own clock starts.
+    tail = wf.remaining_critical_path({"t0": 1.0, "t1": 2.0, "t2": 4.0})
+    assert tail == {"t0": 1.0, "t1": 2.0, "t2": 4.0}
