@@ -22,7 +22,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -72,6 +72,39 @@ class Packing:
                 out.append(Hop(hop.src, hop.dst, hop.path, lo, hi - lo, 1, after, 0, rate))
             lo = hi
         return out
+
+
+def work_conserving(table: LinkTable, hops: Sequence[Hop]) -> list[Hop]:
+    """`hops` (a fluid schedule, every hop at its tree's rate) with each hop raised to
+    its share of what its links and devices can carry, in proportion to the rates that
+    share them. A tree's rate is its bottleneck's; on its other links it would leave
+    capacity idle, and there each piece's time in transit (the pipeline's fill) would be
+    the bottleneck's. Still feasible: on every link the raised rates sum to at most its
+    capacity (each hop is raised by its most loaded link's factor, or less)."""
+    on_link: dict[tuple[str, str], float] = {}
+    on_node: dict[str, float] = {}
+    for hop in hops:
+        rate = hop.rate_Bps or 0.0
+        for link in hop.links():
+            on_link[link] = on_link.get(link, 0.0) + rate
+        for node in hop.path[1:-1]:
+            if table.throughput(node) is not None:
+                on_node[node] = on_node.get(node, 0.0) + rate
+    out = []
+    for hop in hops:
+        if not hop.rate_Bps:
+            out.append(hop)
+            continue
+        factor = min(
+            (table.capacity(*link) / on_link[link] for link in hop.links()),
+            default=1.0,
+        )
+        for node in hop.path[1:-1]:
+            cap = table.throughput(node)
+            if cap is not None:
+                factor = min(factor, cap / on_node[node])
+        out.append(replace(hop, rate_Bps=hop.rate_Bps * max(1.0, factor)))
+    return out
 
 
 class FlowNetwork:

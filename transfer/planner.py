@@ -19,7 +19,7 @@ from wasma.transfer.flows import (
     scatter_demands,
     schedule_hops,
 )
-from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s
+from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s, work_conserving
 from wasma.transfer.plan import Hop, Span, TransferPlan
 from wasma.transfer.topology import Topology, TopologyError
 
@@ -384,7 +384,7 @@ class Planner:
             shape = Packing(trees, sum(r for _, r in trees), packing.bound_Bps, packing.rounds)
             shares: list[float] | None = None
             for _ in range(REWEIGHT_ROUNDS + 1):
-                hops = shape.hops(num_bytes, shares)
+                hops = work_conserving(self.links, shape.hops(num_bytes, shares))
                 cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
                 hops = alg.chunks_per_tree(self.links, hops, cap)
                 chunks = max(h.chunks for h in hops)
