@@ -45,9 +45,10 @@ class EngineRunner:
         self.failovers = 0  # requests moved to another engine mid-request
         # Where a request runs on its engine from another process (a gateway streaming
         # from the engine itself, deploy/ray_channel.py): the chunks it reports, in
-        # place of the engine's own stream; None (or returning None): here.
+        # place of the engine's own stream; None (or returning None): here. Told the
+        # placement's kind, which the gateway's response headers name.
         self.divert: (
-            Callable[[LiveRequest, GenerateRequest], AsyncIterator[TokenChunk] | None] | None
+            Callable[[LiveRequest, GenerateRequest, str], AsyncIterator[TokenChunk] | None] | None
         ) = None
 
     async def start(
@@ -94,7 +95,9 @@ class EngineRunner:
         )
         self.metrics.observe_retention(engine.name, int(greq.retain_s > 0), len(greq.release))
         try:
-            gen = self.divert(live, greq) if self.divert is not None else None
+            gen = None
+            if self.divert is not None:
+                gen = self.divert(live, greq, placement.kind.value)
             if gen is None:
                 gen = engine.generate(greq)
         except ValueError as exc:

@@ -10,7 +10,7 @@ per gateway (`results`) brings back everything that happened since its last item
 Messages are `(kind, request_id, payload)` with kind one of
 `result` (ServiceResult), `open` ((engine, placement)), `chunk` (TokenChunk),
 `end` (None), `error` (a ServiceError), and for direct streams `order`
-((order, engine slot, GenerateRequest)) and `stop` (order).
+((order, engine slot, GenerateRequest, placement kind)) and `stop` (order).
 
 Direct streams: a gateway that can reach the engines itself (`ChannelClient(direct=
 True)`, engines with an `EngineView`) runs each placed request on its engine and streams
@@ -134,7 +134,9 @@ class ChannelServer:
                 continue
             current[1].put_nowait(payload)
 
-    def _divert(self, live: LiveRequest, greq: GenerateRequest) -> AsyncIterator[TokenChunk] | None:
+    def _divert(
+        self, live: LiveRequest, greq: GenerateRequest, kind: str
+    ) -> AsyncIterator[TokenChunk] | None:
         running = self._running.get()
         if running is None or self._views[live.slot] is None:
             return None
@@ -145,7 +147,7 @@ class ChannelServer:
         order = live.failovers
         reports: asyncio.Queue[Any] = asyncio.Queue()
         self._orders[key] = (order, reports)
-        return self._reported(key, order, reports, box, live.slot, greq)
+        return self._reported(key, order, reports, box, live.slot, greq, kind)
 
     async def _reported(
         self,
@@ -155,11 +157,12 @@ class ChannelServer:
         box: _Outbox,
         slot: int,
         greq: GenerateRequest,
+        kind: str,
     ) -> AsyncIterator[TokenChunk]:
         """The chunks a gateway reports for one order, as the engine's own stream would
         give them (a fault as the exception the engine would raise)."""
         rid = key[1]
-        box.put(("order", rid, (order, slot, greq)))
+        box.put(("order", rid, (order, slot, greq, kind)))
         finished = False
         try:
             while True:
@@ -310,6 +313,7 @@ class _DirectStream:
         self._wait: asyncio.Timeout | None = None
         self._gen: AsyncIterator[TokenChunk] | None = None
         self._order = -1
+        self._next: tuple[int, str] = (0, "")  # the current order's engine and placement
         self._pending: collections.deque[TokenChunk] = collections.deque()
         self._ended = False
         self._sent_output = False  # an output went to the client (inter-token samples)
@@ -322,7 +326,11 @@ class _DirectStream:
         self._control.append(msg)
         if self._signal is not None and not self._signal.done():
             self._signal.set_result(None)
-        if self._wait is not None and not self._wait.expired():
+        # Interrupting a read cancels the engine's stream for good (an async generator
+        # that a cancellation passes through is finished): only for word that ends it.
+        kind = msg[0]
+        ends = kind in ("order", "error") or (kind == "stop" and msg[2] == self._order)
+        if ends and self._wait is not None and not self._wait.expired():
             self._wait.reschedule(asyncio.get_running_loop().time())
 
     async def _next_control(self) -> Message:
@@ -342,7 +350,9 @@ class _DirectStream:
             if payload == self._order:
                 await self._drop_engine()
         elif kind == "open":
-            self.engine, self.kind = payload
+            # The router's word that the request opened; a direct stream already knows.
+            if not self.engine:
+                self.engine, self.kind = payload
         elif kind == "chunk":
             self._pending.append(payload)  # an engine only the router reaches
         elif kind == "end":
@@ -352,8 +362,9 @@ class _DirectStream:
             raise payload
 
     async def opening(self) -> None:
-        """Until the router says where the request runs: it places the request, orders
-        it to an engine and, once the first chunk is reported, opens it."""
+        """Until the request's first chunk is in hand from the engine the router ordered
+        it to (the router opens it once that chunk is reported; the client need not wait
+        for the word: the order named the engine and the placement)."""
         while not self.engine:
             if self._control:
                 await self._handle(self._control.popleft())
@@ -362,14 +373,19 @@ class _DirectStream:
                 first = await self._read()
                 if first is not None:
                     self._pending.append(first)
+                    slot, kind = self._next
+                    name = self._client.engine_name(slot)
+                    if name:  # else (the router just restarted) its word will come
+                        self.engine, self.kind = name, kind
             else:
                 await self._handle(await self._next_control())
 
     # -- the engine ------------------------------------------------------------------
-    async def _start(self, order: int, slot: int, greq: GenerateRequest) -> None:
+    async def _start(self, order: int, slot: int, greq: GenerateRequest, kind: str) -> None:
         await self._drop_engine()
         self._order = order
         self._progress = _Progress()
+        self._next = (slot, kind)
         try:
             engine = await self._client.engine(slot)
             self._gen = engine.generate(greq)
@@ -391,8 +407,6 @@ class _DirectStream:
         try:
             async with waiting:
                 self._wait = waiting
-                if self._control:
-                    waiting.reschedule(asyncio.get_running_loop().time())
                 chunk = await gen.__anext__()
         except TimeoutError as exc:
             if waiting.expired():
@@ -585,6 +599,15 @@ class ChannelClient:
         if self._views is None:
             self._views = asyncio.ensure_future(self.handle.direct_views.remote(self.channel))
         return await asyncio.shield(self._views)
+
+    def engine_name(self, slot: int) -> str:
+        """The name of the engine in `slot`, as the router's views say ("" unknown)."""
+        views = self._views
+        if views is None or not views.done() or views.exception() is not None:
+            return ""
+        known = views.result()
+        view = known[slot] if slot < len(known) else None
+        return view.name if view is not None else ""
 
     async def engine(self, slot: int) -> StreamingEngine:
         """This gateway's client of the engine in `slot` (connected once)."""

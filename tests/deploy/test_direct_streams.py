@@ -85,10 +85,14 @@ def _gateway(
     app = create_app(
         ray_router_factory(cfg, direct=direct), frontend, GatewayConfig(model_names=(MODEL,))
     )
-    with ServerThread(app) as srv:
-        handle = app.state.gw.router.handle
-        yield srv.url, handle
-    ray.kill(handle)  # its name is free for the next test's router
+    handle = None
+    try:
+        with ServerThread(app) as srv:
+            handle = app.state.gw.router.handle
+            yield srv.url, handle
+    finally:
+        if handle is not None:
+            ray.kill(handle)  # its name is free for the next test's router
 
 
 def _settled(actor: Any) -> dict[str, Any]:
@@ -136,8 +140,18 @@ def test_the_gateway_streams_from_the_engine_and_the_router_keeps_the_books(
     expected = {stream: _chat(direct_client, stream) for stream in (True, False)}
     with _gateway(frontend, f"openai:{url}", direct=True) as (gw, actor):
         client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
-        for stream in (True, False, True):
+        for stream in (True, False):
             assert _chat(client, stream) == expected[stream]
+        # The headers name the engine and the placement, as for any request (the gateway
+        # answers from the order without waiting for the router's word).
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+        )
+        engine = ray.get(actor.health.remote())["engines"][0]["name"]
+        assert raw.headers["x-wasma-engine"] == engine
+        assert raw.headers["x-wasma-placement"] in ("recompute", "reuse")
+        text = "".join(e.choices[0].delta.content or "" for e in raw.parse() if e.choices)
+        assert text == expected[True][0]
         health = _settled(actor)
         counts = ray.get(actor.channel_counts.remote())
         metrics = httpx.get(gw + "/metrics", timeout=30).text
