@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from wasma.deploy.live_request import LiveRequest, ReportedChunk, aclose_quietly
@@ -130,8 +131,15 @@ class ChannelServer:
         for rid, order, payload in items:
             self.reports += 1
             current = self._orders.get((channel, rid))
-            if current is None or current[0] != order:
+            if current is None:
                 continue
+            if current[0] != order and not (
+                isinstance(payload, ReportedChunk) and payload.finished
+            ):
+                continue
+            # A finish from an order since replaced (the router moved the request as its
+            # answer was ending) still ends it: the client has the whole answer, and the
+            # gateway, done with the request, ignores the new order.
             current[1].put_nowait(payload)
 
     def _divert(
@@ -301,7 +309,7 @@ class _DirectStream:
     """A request this gateway runs on its engine for the router: the tokens go from
     the engine to the client here; the router hears of them in reports (module doc)."""
 
-    def __init__(self, client: ChannelClient, rid: str, streamed: bool) -> None:
+    def __init__(self, client: ChannelClient, rid: str, streamed: bool, prompt_len: int) -> None:
         self.engine = ""
         self.kind = ""
         self.cached_tokens = 0
@@ -320,6 +328,8 @@ class _DirectStream:
         self._last_output = 0.0  # when (on any of its engines)
         self._progress = _Progress()
         self._last_report = 0.0
+        self._prompt_len = prompt_len
+        self._sent: list[int] = []  # token ids from the engines so far (to the client)
 
     # -- control from the router -----------------------------------------------------
     def put(self, msg: Message) -> None:
@@ -386,6 +396,19 @@ class _DirectStream:
         self._order = order
         self._progress = _Progress()
         self._next = (slot, kind)
+        # A router that moved the request on its own (its health check) continues it
+        # from the tokens reported so far; those sent since go on the prompt here, and
+        # to the router with this order's first report.
+        known = len(greq.prompt_token_ids) - self._prompt_len
+        extra = self._sent[known:] if 0 <= known < len(self._sent) else []
+        if extra:
+            self._progress.ids.extend(extra)
+            left = greq.max_tokens - len(extra)
+            if left <= 0:  # every token was out; only the finish was not
+                self._pending.append(TokenChunk((), True, "length"))
+                self._report(self._progress.take(self._pending[-1], True))
+                return
+            greq = replace(greq, prompt_token_ids=[*greq.prompt_token_ids, *extra], max_tokens=left)
         try:
             engine = await self._client.engine(slot)
             self._gen = engine.generate(greq)
@@ -455,6 +478,7 @@ class _DirectStream:
             self._sent_output = True
             self._last_output = now
         p.ids.extend(chunk.token_ids)
+        self._sent.extend(chunk.token_ids)
         p.outputs += outputs
         if chunk.num_cached_tokens:
             p.cached = chunk.num_cached_tokens
@@ -676,7 +700,9 @@ class ChannelClient:
         if any(view is not None for view in await self._direct_views()):
             pass  # the router now sends this channel orders for the engines it can reach
         call = req.call
-        stream = _DirectStream(self, req.request_id, call is None or call.stream)
+        stream = _DirectStream(
+            self, req.request_id, call is None or call.stream, len(req.prompt_token_ids)
+        )
         self._waiting[req.request_id] = stream
         self._batch.append((req, True))
         self._schedule()
