@@ -37,8 +37,9 @@ from typing import Any
 from wasma.deploy.live_request import LiveRequest, ReportedChunk, aclose_quietly
 from wasma.deploy.router_service import (
     RouterService,
+    chunk_outputs,
     collect_result,
-    output_events_in,
+    inter_token_sample,
     output_tokens_in,
 )
 from wasma.deploy.service_types import ServiceError, ServiceRequest, ServiceResult, Unavailable
@@ -181,10 +182,10 @@ class ChannelServer:
                     if finished:
                         return
                     continue
-                kind, message, param = payload
-                if kind == "ended":
+                fault, message, param = payload
+                if fault == "ended":
                     return  # the engine ended the request without finishing it
-                if kind == "refused":
+                if fault == "refused":
                     raise RequestRefused(message, param)
                 raise ReportedFault(message)
         finally:
@@ -275,7 +276,7 @@ class _Stream:
 class _Progress:
     """What a direct stream's next report tells the router."""
 
-    __slots__ = ("cached", "first", "gaps", "ids", "last", "outputs", "raw", "status", "usage")
+    __slots__ = ("cached", "first", "gaps", "ids", "outputs", "raw", "status", "usage")
 
     def __init__(self) -> None:
         self.ids: list[int] = []
@@ -463,18 +464,15 @@ class _DirectStream:
     def _account(self, chunk: TokenChunk) -> None:
         p = self._progress
         now = time.monotonic()
-        outputs = len(chunk.token_ids)
+        outputs = chunk_outputs(chunk, self._streamed)
         if chunk.raw:
             p.raw = True
-            if self._streamed and not outputs:
-                outputs = output_events_in(chunk.raw)
             p.usage = max(p.usage, output_tokens_in(chunk.raw))
+        # As the router samples the chunks it relays.
+        sample = inter_token_sample(self._sent_output, now - self._last_output, outputs)
+        if sample is not None:
+            p.gaps.append(sample)
         if outputs:
-            # As the router samples relayed chunks (RouterService.on_chunk).
-            if self._sent_output:
-                p.gaps.append((now - self._last_output, outputs))
-            elif outputs > 1:
-                p.gaps.append((0.0, outputs - 1))
             self._sent_output = True
             self._last_output = now
         p.ids.extend(chunk.token_ids)
@@ -550,10 +548,8 @@ class ChannelClient:
                 # The router restarted: it knows this channel no more, and its engines
                 # may be new ones; ask again and reconnect.
                 self._views = None
-                engines, self._engines = self._engines, {}
-                for future in engines.values():
-                    if future.done() and future.exception() is None:
-                        self.later(future.result().close())
+                for engine in self._forget_engines():
+                    self.later(engine.close())
             self._listener = asyncio.get_running_loop().create_task(self._listen())
 
     async def _listen(self) -> None:
@@ -623,6 +619,15 @@ class ChannelClient:
         if self._views is None:
             self._views = asyncio.ensure_future(self.handle.direct_views.remote(self.channel))
         return await asyncio.shield(self._views)
+
+    def _forget_engines(self) -> list[StreamingEngine]:
+        """Drop this gateway's engine clients; the connected ones, to close."""
+        futures, self._engines = self._engines, {}
+        return [
+            f.result()
+            for f in futures.values()
+            if f.done() and not f.cancelled() and f.exception() is None
+        ]
 
     def engine_name(self, slot: int) -> str:
         """The name of the engine in `slot`, as the router's views say ("" unknown)."""
@@ -697,8 +702,7 @@ class ChannelClient:
 
     async def _open_direct(self, req: ServiceRequest) -> _DirectStream:
         self._ensure_listener()
-        if any(view is not None for view in await self._direct_views()):
-            pass  # the router now sends this channel orders for the engines it can reach
+        await self._direct_views()  # from now on the router sends this channel orders
         call = req.call
         stream = _DirectStream(
             self, req.request_id, call is None or call.stream, len(req.prompt_token_ids)
@@ -714,11 +718,9 @@ class ChannelClient:
         return stream
 
     async def close(self) -> None:
-        for future in self._engines.values():
-            if future.done() and future.exception() is None:
-                with contextlib.suppress(Exception):
-                    await future.result().close()
-        self._engines.clear()
+        for engine in self._forget_engines():
+            with contextlib.suppress(Exception):
+                await engine.close()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

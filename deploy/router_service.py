@@ -89,6 +89,29 @@ def output_tokens_in(raw: bytes) -> int:
     return best
 
 
+def chunk_outputs(chunk: TokenChunk, streamed: bool) -> int:
+    """How many outputs a chunk carries: its token ids, or, for a passed-through stream
+    (`streamed`), its bytes' output events."""
+    outputs = len(chunk.token_ids)
+    if not outputs and chunk.raw and streamed:
+        outputs = output_events_in(chunk.raw)
+    return outputs
+
+
+def inter_token_sample(started: bool, gap_s: float, outputs: int) -> tuple[float, int] | None:
+    """The inter-token sample of a chunk of `outputs` outputs that came `gap_s` after
+    the request's previous output (`started`: there was one): (seconds, count), or None.
+    One sample a token after the first, as vLLM's own histogram (one an engine step, a
+    token a step without speculative decoding); a chunk of k tokens (a simulated engine's
+    closed-form decode stretch, a reader that fell behind) spreads its gap over them;
+    tokens that came with the first one came with no gap."""
+    if outputs and started:
+        return gap_s, outputs
+    if outputs > 1:
+        return 0.0, outputs - 1
+    return None
+
+
 class ResultStream(Protocol):
     engine: str
     kind: str
@@ -308,22 +331,18 @@ class RouterService:
         engine = self.engines[live.slot].name
         reported = chunk if isinstance(chunk, ReportedChunk) else None
         raw = bool(chunk.raw) or (reported is not None and reported.raw_seen)
-        # One inter-token sample a token after the first, as vLLM's own histogram (one an
-        # engine step, a token a step without speculative decoding). A chunk of k tokens (a
-        # simulated engine's closed-form decode stretch, a reader that fell behind) spreads
-        # its gap over them; a passed-through read counts its output events; tokens that
-        # came with the first one came with no gap. A gateway's report brings those
-        # samples as it took them.
-        outputs = len(chunk.token_ids)
-        if not outputs and raw and call is not None and call.stream:
-            outputs = reported.outputs if reported is not None else output_events_in(chunk.raw)
+        # Inter-token samples (`inter_token_sample`); a gateway's report brings those it
+        # took itself, as it took them.
         if reported is not None:
             for gap, count in reported.gaps:
                 self.metrics.observe_inter_token(engine, gap, count)
-        elif outputs and live.first_s is not None:
-            self.metrics.observe_inter_token(engine, now - live.last_s, outputs)
-        elif outputs > 1:
-            self.metrics.observe_inter_token(engine, 0.0, outputs - 1)
+        else:
+            streamed = call is not None and call.stream
+            sample = inter_token_sample(
+                live.first_s is not None, now - live.last_s, chunk_outputs(chunk, streamed)
+            )
+            if sample is not None:
+                self.metrics.observe_inter_token(engine, *sample)
         if live.first_s is None and (
             chunk.token_ids
             # A passed-through stream's first bytes come with its first output; a

@@ -40,35 +40,34 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def frontend(vllm_api_server: tuple[str, str]) -> Any:
+def _frontend(model: str, **options: Any) -> Any:
+    """vLLM's front end for the session's model, as the server's flags set it."""
     from wasma.deploy.frontend import Frontend, FrontendOptions
 
-    options = FrontendOptions(
-        model=vllm_api_server[1],
-        served_model_name=(MODEL,),
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-        max_model_len=2048,
+    return asyncio.run(
+        Frontend.build(
+            FrontendOptions(
+                model=model,
+                served_model_name=(MODEL,),
+                tool_call_parser="hermes",
+                enable_auto_tool_choice=True,
+                max_model_len=2048,
+                **options,
+            )
+        )
     )
-    return asyncio.run(Frontend.build(options))
+
+
+@pytest.fixture(scope="module")
+def frontend(vllm_api_server: tuple[str, str]) -> Any:
+    return _frontend(vllm_api_server[1])
 
 
 @pytest.fixture(scope="module")
 def tokens_frontend(vllm_api_server: tuple[str, str]) -> Any:
     """The front end for token-in/token-out engines: it renders as the server does (no
     prefix-cache counts in usage: the server runs without them)."""
-    from wasma.deploy.frontend import Frontend, FrontendOptions
-
-    options = FrontendOptions(
-        model=vllm_api_server[1],
-        served_model_name=(MODEL,),
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-        max_model_len=2048,
-        prompt_tokens_details=False,
-    )
-    return asyncio.run(Frontend.build(options))
+    return _frontend(vllm_api_server[1], prompt_tokens_details=False)
 
 
 @contextlib.contextmanager
