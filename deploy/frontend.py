@@ -21,6 +21,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
+from .prompt_segments import install as install_prompt_segments
+
 log = logging.getLogger(__name__)
 
 # Request bodies up to this size render on the event loop (`Frontend.inline`).
@@ -106,6 +108,8 @@ class Frontend:
         self.renderer = renderer.renderer  # vLLM's renderer: tokenizer, token id checks
         self.tokenizer = renderer.renderer.get_tokenizer()
         self.has_parser = renderer.parser is not None
+        # Before the inline wrappers, which wrap the tokenize function installed here.
+        self.segments = install_prompt_segments(renderer.renderer)
         self._inline = _install_inline(renderer.renderer)
 
     @contextlib.contextmanager
