@@ -420,6 +420,11 @@ def serve_main(args: argparse.Namespace) -> int:
             direct=not getattr(args, "relay_tokens", False),
         )
     app = create_app(factory, frontend, gcfg, lifecycle)
+    # As vLLM's API server does once it is up: the startup heap (vLLM's serving layer,
+    # torch, the tokenizer, Ray) is never garbage, so the collector stops walking it.
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
     if gcfg.admin_port is not None:
         return _serve_two(app, args.host, args.port, gcfg.admin_port, limits, lifecycle)
     log.info(
