@@ -56,6 +56,7 @@ class SegmentTokens:
         self._segments: OrderedDict[str, array[int]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()  # vLLM tokenizes on a pool of threads too
+        self.enabled = True  # off: every prompt goes to vLLM's own tokenize step
         self.hits = 0  # segments found
         self.misses = 0  # segments tokenized
 
@@ -192,7 +193,8 @@ def install(renderer: Any, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS) -> Se
         text = prompt.get("prompt")
         kwargs = params.get_encode_kwargs()
         if (
-            not isinstance(text, str)
+            not cache.enabled
+            or not isinstance(text, str)
             or kwargs.get("add_special_tokens")
             or wants_offsets(prompt, params)
         ):
