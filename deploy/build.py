@@ -292,6 +292,12 @@ class RouterActor:
                 service = await build_service(self.cfg)
                 self.channels = ChannelServer(service)
                 self.service = service
+                # This actor's process holds the router and its engines for good: as
+                # vLLM's servers do, the startup heap is frozen out of the collector's
+                # walks.
+                from vllm.utils.gc_utils import freeze_gc_heap
+
+                freeze_gc_heap()
         return self.service.engine_names()
 
     async def _ready(self) -> None:

@@ -47,9 +47,22 @@ logger = logging.getLogger("ray.serve")
 # state again: each is read once, as its answer goes out; far more than are in flight.
 KEEP_PLACED = 10_000
 
+
+class _ActorSchedulingState(SchedulingState):
+    """`SchedulingState` in an actor process of its own, whose startup heap (vLLM's
+    renderer, torch, the tokenizer) is frozen once built, as vLLM's servers freeze
+    theirs: the collector then walks only what requests allocate."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
+
+
 # Ray runs the shared state as an actor with no CPU of its own (like Ray's prefix tree):
 # it must not take a core from the replicas' placement groups.
-SchedulingActor = ray.remote(num_cpus=0)(SchedulingState)
+SchedulingActor = ray.remote(num_cpus=0)(_ActorSchedulingState)
 
 
 def scheduling_actor(
