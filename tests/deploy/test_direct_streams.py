@@ -33,11 +33,14 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()  # a module run before may have left one up
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
 
 def _frontend(model: str, **options: Any) -> Any:
