@@ -35,7 +35,12 @@ the requests already there. It picks the lowest. What makes that estimate workfl
   readers can start), and a retention ends once its readers have started;
 - shared hosts: engines whose compute is one host's CPU cores slow each other while
   both are busy (`Profile.host_contention`), so waking an idle engine beside a busy one
-  is priced as what it costs both, not as free parallelism.
+  is priced as what it costs both, not as free parallelism;
+- CPU tier: loading a prefix from an engine's CPU tier is priced against recomputing it
+  (the load hidden behind the queue with prefetch); where tiers are full, an engine that
+  would copy a prefix another engine already holds (recompute or move it) is charged for
+  the tier blocks that copy pushes out (`tier_copy_cost`): every duplicate leaves the
+  cluster's tiers fewer distinct prefixes to hit.
 """
 
 from __future__ import annotations
@@ -152,6 +157,14 @@ class Wasma(Policy):
         # read, as a router cannot know when a user comes back; the lease the apps get
         # (twice the work left) would end long before a next turn comes.
         "session_lease_s": _LEASE_MAX_S,
+        # Engines with a full CPU tier: weight, in units of a block's prefill, of each
+        # block a placement would copy into an engine's tier that another engine's GPU
+        # or tier already holds, counted only where the copy overflows the tier (each
+        # pushes out the tier's least recent block, a prefix some later request may
+        # need; the tier's size is the profile's `cpu_kv_blocks`, unknown = full).
+        # Recomputing a held prefix elsewhere, or moving it, leaves the cluster's tiers
+        # holding fewer distinct prefixes; 0 = copies are free.
+        "tier_copy_cost": 0.75,
     }
     param_bounds: ClassVar[dict[str, tuple[float, float]]] = {
         "kv_headroom": (0.01, 1.0),
@@ -383,6 +396,10 @@ class Wasma(Policy):
         kappa = self._kappa if load_aware else 0.0
         neighbours = ctx.state.host_neighbours() if kappa > 0 else None
         busy_s: dict[int, float] = {}
+        copy_w = float(p["tier_copy_cost"]) if tier is not None else 0.0
+        held_any = min(max(max(tier) if tier is not None else 0, max_real), max_hit)
+        tier_cap = prof.cpu_kv_blocks
+        tier_used = ctx.cpu_index.blocks_per_engine
         best_key: tuple[float, int, int] | None = None
         best: tuple[float, int, int, TransferOrder | None] = (0.0, slots[0], 0, None)
         order = list(enumerate(slots))
@@ -465,6 +482,14 @@ class Wasma(Policy):
                 own, shared = self._contended(s, own, neighbours[s], busy_s)
                 others += shared
             est = own + ext_w * others
+            if copy_w > 0 and tier is not None:
+                # Blocks of the prefix held elsewhere that this engine would cache (moved
+                # or recomputed) and so store in its tier, past what the tier has free.
+                copies_in = held_any - max(real[s], tier[s])
+                if copies_in > 0 and tier_cap > 0:
+                    copies_in = min(copies_in, tier_used[s] + copies_in - tier_cap)
+                if copies_in > 0:
+                    est += copy_w * copies_in * bs * c_pre
             key = (est, load.outstanding, pos)
             if best_key is None or key < best_key:
                 best_key = key

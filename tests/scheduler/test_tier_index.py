@@ -122,3 +122,21 @@ def test_wasma_prefers_gpu_hit_to_cpu_load() -> None:
     ctx.index.apply(BlockStored("e1", tuple(hashes), None))
     pl = default_registry().create("wasma", ctx).place(_request(hashes), 0.0)
     assert pl.engine == 1 and pl.hit_blocks == 4000
+
+
+def test_wasma_charges_a_copy_that_overflows_a_full_tier() -> None:
+    """Engine 0's CPU tier holds the request's 1,000-block prefix, behind 25,000 queued
+    prefill tokens; engine 1 is idle and its tier holds other blocks. Recomputing on
+    engine 1 finishes sooner, and wasma goes there while copies are free or while engine
+    1's tier has room for the copy; once that tier is full the copy would push out 1,000
+    other blocks, and the charge for them keeps the request on the holder."""
+    hashes = list(range(1, 1001))
+    for cap, weight, engine in ((1000, 0.0, 1), (1000, 0.75, 0), (3000, 0.75, 1)):
+        ctx = _ctx(cpu_blocks=cap, params={"tier_copy_cost": weight})
+        ctx.cpu_index.apply(BlockStored("e0", tuple(hashes), None, "CPU"))
+        ctx.cpu_index.apply(BlockStored("e1", tuple(range(10**6, 10**6 + 1000)), None, "CPU"))
+        load = ctx.state.loads[0]
+        load.outstanding, load.pending_prefill_tokens, load.pending_decode_tokens = 1, 25_000, 16
+        pl = default_registry().create("wasma", ctx).place(_request(hashes), 0.0)
+        assert pl.engine == engine
+        assert pl.hit_blocks == (1000 if engine == 0 else 0)
