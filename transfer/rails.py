@@ -1,0 +1,204 @@
+"""Rail-aligned broadcast trees (NCCL's hierarchical broadcast, generalised): a shallow
+packing for moves that cross hosts.
+
+The source host's GPUs are the rail owners: lane r is the source host's r-th GPU and the
+r-th GPU of every other host (rail-optimised fabrics wire NIC r of every node to one
+leaf, so the widest path between them is that rail). The bytes are cut into one part per
+lane; the source sends part r over its host's fabric to the lane's owner, the owner sends
+it over its rail to the lane's GPU on each other host (a chain from host to host, or, with
+`spread`, to one host first that passes it to the rest: two rail hops for any host
+count), and every GPU holding a part passes it to the destinations of its own host. The
+source's own part reaches the destinations of its host through each of them in turn (a
+sub-part each), so its fabric out-link carries each byte once. Every tree is then at
+most scatter + rails + all-gather deep, whatever the destination count: the flow trees'
+Prim growth makes 9-11 levels for 15-31 destinations, each level a message delay and a
+piece of pipeline fill.
+
+Rates are max-min fair over the trees (progressive filling on the links and device limits
+they use), so the fluid schedule fits every capacity; the planner prices the trees like a
+packing and keeps them when they are faster.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+
+from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.packing import FlowNetwork, Packing, Resource, Tree, TreeHop
+from wasma.transfer.topology import TopologyError
+
+
+def host_gpus(table: LinkTable, host: str) -> list[str]:
+    """A host's GPUs in rail order (GPU i pairs with GPU i of the other hosts)."""
+    gpus = [g for g in table.topology.gpus() if table.topology.host_of(g) == host]
+    return sorted(gpus, key=lambda g: (len(g), g))
+
+
+class _Paths:
+    """Fabric paths between GPUs, spread over parallel links (two GPUs behind one PCIe
+    switch take its two NICs), never through another GPU (a relay is a hop's end)."""
+
+    def __init__(self, table: LinkTable) -> None:
+        self.table = table
+        self.busy: Counter[tuple[str, str]] = Counter()
+        self.memo: dict[tuple[str, str], tuple[str, ...]] = {}
+
+    def __call__(self, src: str, dst: str) -> tuple[str, ...]:
+        found = self.memo.get((src, dst))
+        if found is None:
+            found = self.table.path(src, dst, self.busy)
+            if any(self.table.topology.kind_of(n) == "gpu" for n in found[1:-1]):
+                raise TopologyError(f"no path from {src} to {dst} outside other GPUs")
+            self.busy.update(itertools.pairwise(found))
+            self.memo[src, dst] = found
+        return found
+
+
+def rail_trees(
+    table: LinkTable, src: str, dsts: Sequence[str], *, spread: bool
+) -> list[Tree] | None:
+    """The lanes' trees from `src` to `dsts` (None where the move stays on one host or a
+    lane has no path outside other GPUs)."""
+    topology = table.topology
+    home = topology.host_of(src)
+    by_host: dict[str, list[str]] = {}
+    for d in dsts:
+        by_host.setdefault(topology.host_of(d), []).append(d)
+    remote = [h for h in by_host if h != home]
+    if not remote:
+        return None
+    owners = host_gpus(table, home)
+    landing = {h: host_gpus(table, h) for h in remote}
+    lanes = min(len(owners), *(len(g) for g in landing.values()))
+    if lanes < 1:
+        return None
+    # The source's own lane goes first: its rail starts at the source itself.
+    order = sorted(range(lanes), key=lambda r: owners[r] != src)
+    if src not in owners[:lanes]:
+        order = list(range(lanes))
+    local = [d for d in by_host.get(home, []) if d != src]
+    paths = _Paths(table)
+    trees: list[Tree] = []
+    try:
+        for r in order:
+            owner = owners[r]
+            # The hosts a sub-part enters first: all of them in turn (spread), or the
+            # chain's head.
+            firsts = remote if spread and len(remote) > 1 else remote[:1]
+            relays = [owner] if owner != src else (local or [src])
+            for i in range(max(len(relays), len(firsts))):
+                trees.append(
+                    _lane_tree(
+                        paths,
+                        src,
+                        owner,
+                        relays[i % len(relays)],
+                        firsts[i % len(firsts)] if spread else None,
+                        [landing[h][r] for h in remote],
+                        local,
+                        by_host,
+                    )
+                )
+    except TopologyError:
+        return None
+    return trees
+
+
+def _lane_tree(
+    paths: _Paths,
+    src: str,
+    owner: str,
+    relay: str,
+    first: str | None,
+    lands: list[str],
+    local: list[str],
+    by_host: dict[str, list[str]],
+) -> Tree:
+    """One sub-part's tree: src -> owner; the owner over its rail to the lane's GPU on
+    host `first`, which passes it to the other hosts' lane GPUs (or, `first` None, a chain
+    through the hosts in order); `relay` (the owner, or for the source's own lane a
+    destination of the source host) to the source host's other destinations; each lane
+    GPU to its own host's destinations."""
+    topology = paths.table.topology
+    hops: list[TreeHop] = []
+    holder: dict[str, int | None] = {src: None}
+
+    def send(a: str, b: str) -> None:
+        hops.append(TreeHop(a, b, paths(a, b), holder[a]))
+        holder[b] = len(hops) - 1
+
+    if owner != src:
+        send(src, owner)
+    elif relay != src:
+        send(src, relay)
+    if first is None:
+        here = owner
+        for land in lands:
+            send(here, land)
+            here = land
+    else:
+        head = next(g for g in lands if topology.host_of(g) == first)
+        send(owner, head)
+        for land in lands:
+            if land != head:
+                send(head, land)
+    if relay != src:
+        for d in local:
+            if d != relay:
+                send(relay, d)
+    for land in lands:
+        for d in by_host[topology.host_of(land)]:
+            if d != land:
+                send(land, d)
+    return tuple(hops)
+
+
+def fair_rates(network: FlowNetwork, trees: Sequence[Tree]) -> list[float]:
+    """Max-min fair rates (progressive filling): every tree's rate rises together until
+    a link or device limit it uses is full, then stays; the rest go on."""
+    usages = [network.usage(t) for t in trees]
+    left: dict[Resource, float] = {}
+    for used in usages:
+        for key in used:
+            if key in network.capacity:
+                left[key] = network.capacity[key]
+            elif isinstance(key, tuple):
+                raise TopologyError(f"link {key[0]} -> {key[1]} carries nothing")
+    rates = [0.0] * len(trees)
+    active = set(range(len(trees)))
+    while active:
+        load: dict[Resource, float] = {}
+        for t in active:
+            for key, n in usages[t].items():
+                if key in left:
+                    load[key] = load.get(key, 0.0) + n
+        step = min(left[key] / n for key, n in load.items())
+        for t in active:
+            rates[t] += step
+        full = set()
+        for key, n in load.items():
+            left[key] -= step * n
+            if left[key] <= 1e-9 * network.capacity[key]:
+                full.add(key)
+        active = {t for t in active if not any(key in full for key in usages[t])}
+    return rates
+
+
+def rail_packing(
+    table: LinkTable, network: FlowNetwork, src: str, dsts: Sequence[str], *, spread: bool
+) -> Packing | None:
+    """The lanes' trees at their fair rates, as a packing (trees without rate dropped)."""
+    trees = rail_trees(table, src, dsts, spread=spread)
+    if not trees:
+        return None
+    try:
+        rates = fair_rates(network, trees)
+    except TopologyError:
+        return None
+    kept = tuple((t, r) for t, r in zip(trees, rates, strict=True) if r > 0)
+    if not kept:
+        return None
+    total = sum(r for _, r in kept)
+    return Packing(kept, total, total, 0)
