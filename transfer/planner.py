@@ -394,19 +394,12 @@ class Planner:
         ]
 
     def _rail_plans(self, src: str, targets: tuple[str, ...], num_bytes: int) -> list[TransferPlan]:
-        """The rail-aligned trees (`transfer/rails.py`): lanes chained from host to host,
-        and with three or more hosts also spread (one host first, which passes to the
-        rest)."""
-        hosts = {self.topology.host_of(d) for d in (src, *targets)}
-        if len(hosts) < 2:
+        """The rail-aligned trees (`transfer/rails.py`): scatter to the source host's
+        rail owners, across on every rail, all-gather on each host."""
+        packing = rail_packing(self.links, self._flow_network(), src, targets)
+        if packing is None:
             return []
-        network = self._flow_network()
-        plans = []
-        for spread in (False, True) if len(hosts) > 2 else (False,):
-            packing = rail_packing(self.links, network, src, targets, spread=spread)
-            if packing is not None:
-                plans.extend(self._packed_plans("rail_trees", packing, (src,), targets, num_bytes))
-        return plans
+        return self._packed_plans("rail_trees", packing, (src,), targets, num_bytes)
 
     def _packed_plans(
         self,

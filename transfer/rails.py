@@ -1,18 +1,18 @@
 """Rail-aligned broadcast trees (NCCL's hierarchical broadcast, generalised): a shallow
 packing for moves that cross hosts.
 
-The source host's GPUs are the rail owners: lane r is the source host's r-th GPU and the
-r-th GPU of every other host (rail-optimised fabrics wire NIC r of every node to one
-leaf, so the widest path between them is that rail). The bytes are cut into one part per
-lane; the source sends part r over its host's fabric to the lane's owner, the owner sends
-it over its rail to the lane's GPU on each other host (a chain from host to host, or, with
-`spread`, to one host first that passes it to the rest: two rail hops for any host
-count), and every GPU holding a part passes it to the destinations of its own host. The
-source's own part reaches the destinations of its host through each of them in turn (a
-sub-part each), so its fabric out-link carries each byte once. Every tree is then at
-most scatter + rails + all-gather deep, whatever the destination count: the flow trees'
-Prim growth makes 9-11 levels for 15-31 destinations, each level a message delay and a
-piece of pipeline fill.
+Lane r is the source host's r-th GPU (its owner) and the r-th GPU of every other host;
+each GPU sends and receives between hosts through its own NIC (the nearest one the fewest
+GPUs before it took), so on a rail-optimised fabric lane r stays on rail r. The bytes are
+cut into sub-parts per lane. The source sends a sub-part over its host's fabric to the
+lane's owner, which sends it over its rail to the lane's GPU on one other host, which
+passes it over its own rail to the lane's GPUs on the rest (two rail hops for any host
+count; a lane's sub-parts enter the hosts in turn, so every host's NIC forwards a share).
+Every GPU holding a sub-part passes it to the destinations of its host. The source's own
+lane reaches the destinations of its host through each of them in turn, so the source's
+fabric out-link carries each byte once. A tree is then at most scatter, two rail hops and
+an all-gather deep, whatever the destination count (the flow trees' Prim growth makes 9-11
+levels for 15-31 destinations, each level a message delay and a piece of pipeline fill).
 
 Rates are max-min fair over the trees (progressive filling on the links and device limits
 they use), so the fluid schedule fits every capacity; the planner prices the trees like a
@@ -37,28 +37,61 @@ def host_gpus(table: LinkTable, host: str) -> list[str]:
 
 
 class _Paths:
-    """Fabric paths between GPUs, spread over parallel links (two GPUs behind one PCIe
-    switch take its two NICs), never through another GPU (a relay is a hop's end)."""
+    """Fabric paths between GPUs, never through another GPU (a relay is a hop's end).
+    Inside a host, the widest path; between hosts, out through the sender's own NIC and
+    in through the receiver's (each GPU of a host takes the nearest NIC the fewest GPUs
+    before it took), so lane r stays on rail r."""
 
     def __init__(self, table: LinkTable) -> None:
         self.table = table
-        self.busy: Counter[tuple[str, str]] = Counter()
         self.memo: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.nics: dict[str, str | None] = {}
 
     def __call__(self, src: str, dst: str) -> tuple[str, ...]:
         found = self.memo.get((src, dst))
         if found is None:
-            found = self.table.path(src, dst, self.busy)
+            found = self._route(src, dst)
             if any(self.table.topology.kind_of(n) == "gpu" for n in found[1:-1]):
                 raise TopologyError(f"no path from {src} to {dst} outside other GPUs")
-            self.busy.update(itertools.pairwise(found))
             self.memo[src, dst] = found
         return found
 
+    def _route(self, src: str, dst: str) -> tuple[str, ...]:
+        topology = self.table.topology
+        out, into = self.nic(src), self.nic(dst)
+        if topology.host_of(src) == topology.host_of(dst) or out is None or into is None:
+            return self.table.path(src, dst)
+        return (
+            self.table.path(src, out)
+            + self.table.path(out, into)[1:]
+            + self.table.path(into, dst)[1:]
+        )
 
-def rail_trees(
-    table: LinkTable, src: str, dsts: Sequence[str], *, spread: bool
-) -> list[Tree] | None:
+    def nic(self, gpu: str) -> str | None:
+        if gpu not in self.nics:
+            topology = self.table.topology
+            host = topology.host_of(gpu)
+            nics = [d.name for d in topology.devices() if d.kind == "nic" and d.host == host]
+            taken: Counter[str] = Counter()
+            for g in host_gpus(self.table, host):
+                self.nics[g] = None
+                reachable = []
+                for nic in nics:
+                    try:
+                        path = self.table.path(g, nic)
+                    except TopologyError:
+                        continue
+                    if any(topology.kind_of(n) == "gpu" for n in path[1:-1]):
+                        continue
+                    latency = sum(self.table.latency(*link) for link in itertools.pairwise(path))
+                    reachable.append((taken[nic], latency, nic))
+                if reachable:
+                    self.nics[g] = min(reachable)[2]
+                    taken[self.nics[g]] += 1
+        return self.nics[gpu]
+
+
+def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | None:
     """The lanes' trees from `src` to `dsts` (None where the move stays on one host or a
     lane has no path outside other GPUs)."""
     topology = table.topology
@@ -84,9 +117,10 @@ def rail_trees(
     try:
         for r in order:
             owner = owners[r]
-            # The hosts a sub-part enters first: all of them in turn (spread), or the
-            # chain's head.
-            firsts = remote if spread and len(remote) > 1 else remote[:1]
+            # Each sub-part enters one host first, the hosts in turn, so that every
+            # host's NIC r forwards its share to the rest (a chain through the hosts
+            # would be as many rail hops deep as there are hosts).
+            firsts = remote
             relays = [owner] if owner != src else (local or [src])
             for i in range(max(len(relays), len(firsts))):
                 trees.append(
@@ -95,7 +129,7 @@ def rail_trees(
                         src,
                         owner,
                         relays[i % len(relays)],
-                        firsts[i % len(firsts)] if spread else None,
+                        firsts[i % len(firsts)],
                         [landing[h][r] for h in remote],
                         local,
                         by_host,
@@ -111,16 +145,15 @@ def _lane_tree(
     src: str,
     owner: str,
     relay: str,
-    first: str | None,
+    first: str,
     lands: list[str],
     local: list[str],
     by_host: dict[str, list[str]],
 ) -> Tree:
     """One sub-part's tree: src -> owner; the owner over its rail to the lane's GPU on
-    host `first`, which passes it to the other hosts' lane GPUs (or, `first` None, a chain
-    through the hosts in order); `relay` (the owner, or for the source's own lane a
-    destination of the source host) to the source host's other destinations; each lane
-    GPU to its own host's destinations."""
+    host `first`, which passes it to the other hosts' lane GPUs; `relay` (the owner, or
+    for the source's own lane a destination of the source host) to the source host's
+    other destinations; each lane GPU to its own host's destinations."""
     topology = paths.table.topology
     hops: list[TreeHop] = []
     holder: dict[str, int | None] = {src: None}
@@ -133,17 +166,11 @@ def _lane_tree(
         send(src, owner)
     elif relay != src:
         send(src, relay)
-    if first is None:
-        here = owner
-        for land in lands:
-            send(here, land)
-            here = land
-    else:
-        head = next(g for g in lands if topology.host_of(g) == first)
-        send(owner, head)
-        for land in lands:
-            if land != head:
-                send(head, land)
+    head = next(g for g in lands if topology.host_of(g) == first)
+    send(owner, head)
+    for land in lands:
+        if land != head:
+            send(head, land)
     if relay != src:
         for d in local:
             if d != relay:
@@ -187,10 +214,10 @@ def fair_rates(network: FlowNetwork, trees: Sequence[Tree]) -> list[float]:
 
 
 def rail_packing(
-    table: LinkTable, network: FlowNetwork, src: str, dsts: Sequence[str], *, spread: bool
+    table: LinkTable, network: FlowNetwork, src: str, dsts: Sequence[str]
 ) -> Packing | None:
     """The lanes' trees at their fair rates, as a packing (trees without rate dropped)."""
-    trees = rail_trees(table, src, dsts, spread=spread)
+    trees = rail_trees(table, src, dsts)
     if not trees:
         return None
     try:
