@@ -21,13 +21,19 @@ packing and keeps them when they are faster.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 
 from wasma.transfer.costmodel import LinkTable
 from wasma.transfer.packing import FlowNetwork, Packing, Resource, Tree, TreeHop
 from wasma.transfer.topology import TopologyError
+
+# The least rate, as a share of the trees', for which a chain over the capacity they leave
+# is worth its depth.
+SPARE_SHARE = 0.05
 
 
 def host_gpus(table: LinkTable, host: str) -> list[str]:
@@ -100,8 +106,21 @@ def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | 
     for d in dsts:
         by_host.setdefault(topology.host_of(d), []).append(d)
     remote = [h for h in by_host if h != home]
+    local = [d for d in by_host.get(home, []) if d != src]
+    paths = _Paths(table)
     if not remote:
-        return None
+        # One host: each destination relays a sub-part to the others (scatter +
+        # all-gather over the host's fabric).
+        try:
+            return [
+                tuple(
+                    TreeHop(a, b, paths(a, b), None if a == src else 0)
+                    for a, b in [(src, j), *((j, d) for d in local if d != j)]
+                )
+                for j in local
+            ]
+        except TopologyError:
+            return None
     owners = host_gpus(table, home)
     landing = {h: host_gpus(table, h) for h in remote}
     lanes = min(len(owners), *(len(g) for g in landing.values()))
@@ -111,8 +130,6 @@ def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | 
     order = sorted(range(lanes), key=lambda r: owners[r] != src)
     if src not in owners[:lanes]:
         order = list(range(lanes))
-    local = [d for d in by_host.get(home, []) if d != src]
-    paths = _Paths(table)
     trees: list[Tree] = []
     try:
         for r in order:
@@ -213,10 +230,74 @@ def fair_rates(network: FlowNetwork, trees: Sequence[Tree]) -> list[float]:
     return rates
 
 
+def spare_chain(
+    network: FlowNetwork, src: str, dsts: Sequence[str], left: dict[Resource, float]
+) -> tuple[Tree, float] | None:
+    """A chain from `src` through every destination over what `left` (capacity per link
+    and device limit) still has, each next destination the one behind the widest path
+    (never through another GPU), and the chain's rate; None where some destination is
+    out of its reach. On an HGX host the trees fill NVLink and leave PCIe: a chain is the
+    only broadcast PCIe switches carry at their full rate (they cannot duplicate)."""
+    hops: list[TreeHop] = []
+    here = src
+    todo = [d for d in dict.fromkeys(dsts) if d != src]
+    used: Counter[Resource] = Counter()
+    while todo:
+        best: tuple[float, str, tuple[str, ...]] | None = None
+        for d in todo:
+            found = _widest(network, here, d, left)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = (found[0], d, found[1])
+        if best is None or not best[0] > 0:
+            return None
+        _, d, path = best
+        hops.append(TreeHop(here, d, path, len(hops) - 1 if hops else None))
+        used.update(itertools.pairwise(path))
+        used.update(n for n in path[1:-1] if n in network.capacity)
+        here = d
+        todo.remove(d)
+    tree = tuple(hops)
+    return tree, min(left[key] / n for key, n in used.items())
+
+
+def _widest(
+    network: FlowNetwork, src: str, dst: str, left: dict[Resource, float]
+) -> tuple[float, tuple[str, ...]] | None:
+    """The widest path under `left` from src to dst through non-GPU devices."""
+    width = {src: math.inf}
+    previous: dict[str, str] = {}
+    heap = [(-math.inf, src)]
+    done: set[str] = set()
+    while heap:
+        w, node = heapq.heappop(heap)
+        if node in done:
+            continue
+        done.add(node)
+        if node == dst:
+            break
+        if node != src and network.is_gpu[node]:
+            continue
+        for nxt in network.adjacent[node]:
+            room = min(-w, left.get((node, nxt), 0.0))
+            if not network.is_gpu[nxt] and nxt in network.capacity:
+                room = min(room, left.get(nxt, 0.0))
+            if room > width.get(nxt, 0.0) and nxt not in done:
+                width[nxt] = room
+                previous[nxt] = node
+                heapq.heappush(heap, (-room, nxt))
+    if dst not in done:
+        return None
+    path = [dst]
+    while path[-1] != src:
+        path.append(previous[path[-1]])
+    return width[dst], tuple(reversed(path))
+
+
 def rail_packing(
     table: LinkTable, network: FlowNetwork, src: str, dsts: Sequence[str]
 ) -> Packing | None:
-    """The lanes' trees at their fair rates, as a packing (trees without rate dropped)."""
+    """The lanes' trees at their fair rates, and a chain over the capacity they leave
+    (where it carries at least `SPARE_SHARE` of their rate), as a packing."""
     trees = rail_trees(table, src, dsts)
     if not trees:
         return None
@@ -224,8 +305,16 @@ def rail_packing(
         rates = fair_rates(network, trees)
     except TopologyError:
         return None
-    kept = tuple((t, r) for t, r in zip(trees, rates, strict=True) if r > 0)
+    kept = [(t, r) for t, r in zip(trees, rates, strict=True) if r > 0]
     if not kept:
         return None
+    left = dict(network.capacity)
+    for tree, rate in kept:
+        for key, n in network.usage(tree).items():
+            if key in left:
+                left[key] -= rate * n
+    chain = spare_chain(network, src, dsts, left)
+    if chain is not None and chain[1] >= SPARE_SHARE * sum(r for _, r in kept):
+        kept.append(chain)
     total = sum(r for _, r in kept)
-    return Packing(kept, total, total, 0)
+    return Packing(tuple(kept), total, total, 0)
