@@ -92,8 +92,9 @@ class _Paths:
                     latency = sum(self.table.latency(*link) for link in itertools.pairwise(path))
                     reachable.append((taken[nic], latency, nic))
                 if reachable:
-                    self.nics[g] = min(reachable)[2]
-                    taken[self.nics[g]] += 1
+                    chosen = min(reachable)[2]
+                    self.nics[g] = chosen
+                    taken[chosen] += 1
         return self.nics[gpu]
 
 
@@ -218,12 +219,12 @@ def fair_rates(network: FlowNetwork, trees: Sequence[Tree]) -> list[float]:
             for key, n in usages[t].items():
                 if key in left:
                     load[key] = load.get(key, 0.0) + n
-        step = min(left[key] / n for key, n in load.items())
+        step = min(left[key] / units for key, units in load.items())
         for t in active:
             rates[t] += step
         full = set()
-        for key, n in load.items():
-            left[key] -= step * n
+        for key, units in load.items():
+            left[key] -= step * units
             if left[key] <= 1e-9 * network.capacity[key]:
                 full.add(key)
         active = {t for t in active if not any(key in full for key in usages[t])}
