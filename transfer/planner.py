@@ -21,6 +21,7 @@ from wasma.transfer.flows import (
 )
 from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s, work_conserving
 from wasma.transfer.plan import Hop, Span, TransferPlan
+from wasma.transfer.rails import rail_packing
 from wasma.transfer.topology import Topology, TopologyError
 
 ALGORITHMS = (
@@ -33,6 +34,7 @@ ALGORITHMS = (
     "hierarchical",
     "hierarchical_chain",
     "flow_trees",
+    "rail_trees",
 )
 PIPELINED = frozenset(
     {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain", "flow_trees"}
@@ -377,34 +379,63 @@ class Planner:
         if packing is None or not packing.trees:
             return []
         self.plans_computed += 1
-        plans = []
         # All trees (the bandwidth bound), and the widest tree alone (fewer messages,
         # for sizes where the per-piece cost outweighs the extra rate).
-        for trees in {packing.trees, packing.trees[:1]}:
-            shape = Packing(trees, sum(r for _, r in trees), packing.bound_Bps, packing.rounds)
-            shares: list[float] | None = None
-            for _ in range(REWEIGHT_ROUNDS + 1):
-                hops = work_conserving(self.links, shape.hops(num_bytes, shares))
-                cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-                hops = alg.chunks_per_tree(self.links, hops, cap)
-                chunks = max(h.chunks for h in hops)
-                finish = self.links.finish_times(hops)
-                holder = hops[0].src
-                plans.append(
-                    TransferPlan(
-                        "flow_trees",
-                        holder if holder in sources else sources[0],
-                        targets,
-                        num_bytes,
-                        max(finish),
-                        tuple(hops),
-                        chunks,
-                        holders=sources,
-                    )
+        return [
+            p
+            for trees in {packing.trees, packing.trees[:1]}
+            for p in self._packed_plans(
+                "flow_trees",
+                Packing(trees, sum(r for _, r in trees), packing.bound_Bps, packing.rounds),
+                sources,
+                targets,
+                num_bytes,
+            )
+        ]
+
+    def _rail_plans(self, src: str, targets: tuple[str, ...], num_bytes: int) -> list[TransferPlan]:
+        """The rail-aligned trees (`transfer/rails.py`): scatter to the source host's
+        rail owners, across on every rail, all-gather on each host."""
+        packing = rail_packing(self.links, self._flow_network(), src, targets)
+        if packing is None:
+            return []
+        return self._packed_plans("rail_trees", packing, (src,), targets, num_bytes)
+
+    def _packed_plans(
+        self,
+        name: str,
+        shape: Packing,
+        sources: tuple[str, ...],
+        targets: tuple[str, ...],
+        num_bytes: int,
+    ) -> list[TransferPlan]:
+        """A packing's trees as plans: hops at their share of each link, each tree in its
+        own piece count, and up to `REWEIGHT_ROUNDS` rebalancings of the bytes per tree
+        so that deep trees carry fewer and all finish together (every try kept)."""
+        plans = []
+        shares: list[float] | None = None
+        for _ in range(REWEIGHT_ROUNDS + 1):
+            hops = work_conserving(self.links, shape.hops(num_bytes, shares))
+            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+            hops = alg.chunks_per_tree(self.links, hops, cap)
+            chunks = max(h.chunks for h in hops)
+            finish = self.links.finish_times(hops)
+            holder = hops[0].src
+            plans.append(
+                TransferPlan(
+                    name,
+                    holder if holder in sources else sources[0],
+                    targets,
+                    num_bytes,
+                    max(finish),
+                    tuple(hops),
+                    chunks,
+                    holders=sources,
                 )
-                shares = _balanced_shares(shape, hops, finish, num_bytes)
-                if shares is None or len(trees) == 1:
-                    break
+            )
+            shares = _balanced_shares(shape, hops, finish, num_bytes)
+            if shares is None or len(shape.trees) == 1:
+                break
         return plans
 
     def candidates(
@@ -425,6 +456,9 @@ class Planner:
         for name in names:
             if name == "flow_trees":
                 plans.extend(self._flow_plans((src,), targets, num_bytes))
+                continue
+            if name == "rail_trees":
+                plans.extend(self._rail_plans(src, targets, num_bytes))
                 continue
             for hops in self._build(name, src, targets, num_bytes):
                 chunks = 1

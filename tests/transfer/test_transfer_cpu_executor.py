@@ -27,6 +27,8 @@ SIZE = 1_000_003  # odd, so piece boundaries are uneven
         ("rail_stripe", "n0.gpu0", ["n1.gpu1"]),  # relays through GPUs that are not targets
         ("flow_trees", "n0.gpu0", ["n0.gpu1", "n1.gpu0", "n1.gpu1"]),  # packed trees, rates
         ("flow_trees", "n0.gpu0", ["n1.gpu1"]),
+        ("rail_trees", "n0.gpu0", ["n0.gpu1", "n1.gpu0", "n1.gpu1"]),  # lanes, sub-parts
+        ("rail_trees", "n0.gpu1", ["n0.gpu0", "n1.gpu1"]),  # the other lane first
     ],
 )
 def test_plans_deliver_exact_bytes(algorithm: str, src: str, dsts: list[str], topos: Any) -> None:
@@ -48,7 +50,14 @@ def _plan(planner: Planner, algorithm: str, src: str, dsts: list[str]) -> Transf
         hops = (Hop(src, dsts[0], path, 0, half, 3), Hop(src, dsts[0], path, half, SIZE - half, 2))
         return TransferPlan("stripe", src, tuple(dsts), SIZE, planner.predict_s(hops), hops)
     plan = planner.plan(src, dsts, SIZE, algorithms=[algorithm])
-    if algorithm in {"chain", "packed_trees", "hierarchical", "rail_stripe", "flow_trees"}:
+    if algorithm in {
+        "chain",
+        "packed_trees",
+        "hierarchical",
+        "rail_stripe",
+        "flow_trees",
+        "rail_trees",
+    }:
         # At 1 MB the model wants few pieces; force several to exercise forwarding.
         plan = replace(plan, hops=tuple(with_chunks(plan.hops, 5)), chunks=5)
     return plan
