@@ -257,8 +257,8 @@ def rail_stripes(table: LinkTable, src: str, dst: str, num_bytes: int) -> list[H
     src_host, dst_host = topology.host_of(src), topology.host_of(dst)
     if src_host == dst_host:
         return []
-    src_side = _host_gpus(table, src_host)
-    dst_side = _host_gpus(table, dst_host)
+    src_side = host_gpus(table, src_host)
+    dst_side = host_gpus(table, dst_host)
     rails = list(zip(src_side, dst_side, strict=False))
     if len(rails) < 2:
         return []
@@ -276,9 +276,9 @@ def rail_stripes(table: LinkTable, src: str, dst: str, num_bytes: int) -> list[H
     return hops
 
 
-def _host_gpus(table: LinkTable, host: str) -> list[str]:
-    # Rail order: GPU i pairs with GPU i of the other host (rail-optimised fabrics wire
-    # NIC i of every node to the same leaf).
+def host_gpus(table: LinkTable, host: str) -> list[str]:
+    """A host's GPUs in rail order: GPU i pairs with GPU i of the other hosts
+    (rail-optimised fabrics wire NIC i of every node to the same leaf)."""
     gpus = [g for g in table.topology.gpus() if table.topology.host_of(g) == host]
     return sorted(gpus, key=lambda g: (len(g), g))
 

@@ -230,6 +230,16 @@ class FlowNetwork:
             used.update(hop.path[1:-1])
         return used
 
+    def left_after(self, flows: Iterable[tuple[Counter[Resource], float]]) -> dict[Resource, float]:
+        """What each link and device limit has left once trees of these usages carry
+        these rates."""
+        left = dict(self.capacity)
+        for used, rate in flows:
+            for key, n in used.items():
+                if key in left:
+                    left[key] -= rate * n
+        return left
+
     def pack(
         self,
         holders: Sequence[str],
@@ -290,11 +300,7 @@ class FlowNetwork:
         what its links have left, so no capacity the trees could use stays idle."""
         total = sum(flows.values())
         kept = {t: f for t, f in flows.items() if f >= 0.02 * total}
-        left = dict(self.capacity)
-        for tree, f in kept.items():
-            for key, n in usages[tree].items():
-                if key in left:
-                    left[key] -= f * n
+        left = self.left_after((usages[t], f) for t, f in kept.items())
         for _ in range(2):
             for tree in sorted(kept, key=lambda t: -kept[t]):
                 room = min(

@@ -27,6 +27,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+from wasma.transfer.algorithms import host_gpus
 from wasma.transfer.costmodel import LinkTable
 from wasma.transfer.packing import FlowNetwork, Packing, Resource, Tree, TreeHop
 from wasma.transfer.topology import TopologyError
@@ -34,12 +35,6 @@ from wasma.transfer.topology import TopologyError
 # The least rate, as a share of the trees', for which a chain over the capacity they leave
 # is worth its depth.
 SPARE_SHARE = 0.05
-
-
-def host_gpus(table: LinkTable, host: str) -> list[str]:
-    """A host's GPUs in rail order (GPU i pairs with GPU i of the other hosts)."""
-    gpus = [g for g in table.topology.gpus() if table.topology.host_of(g) == host]
-    return sorted(gpus, key=lambda g: (len(g), g))
 
 
 class _Paths:
@@ -309,11 +304,7 @@ def rail_packing(
     kept = [(t, r) for t, r in zip(trees, rates, strict=True) if r > 0]
     if not kept:
         return None
-    left = dict(network.capacity)
-    for tree, rate in kept:
-        for key, n in network.usage(tree).items():
-            if key in left:
-                left[key] -= rate * n
+    left = network.left_after((network.usage(t), r) for t, r in kept)
     chain = spare_chain(network, src, dsts, left)
     if chain is not None and chain[1] >= SPARE_SHARE * sum(r for _, r in kept):
         kept.append(chain)
