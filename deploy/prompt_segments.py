@@ -143,16 +143,15 @@ class SegmentTokens:
                 if ids is not None:
                     self._segments.move_to_end(piece)
                     found[piece] = ids
-        missing = [p for p in dict.fromkeys(pieces) if p not in found]
+            missing = [p for p in dict.fromkeys(pieces) if p not in found]
+            self.hits += len(pieces) - len(missing)
+            self.misses += len(missing)
         if missing:
             # One call a segment: a batch call would hand so few texts to the
             # tokenizer's thread pool, which costs more than it saves.
             fresh = {p: array("i", self.whole(p)) for p in missing}
             found.update(fresh)
             self._store(fresh)
-        with self._lock:
-            self.hits += len(pieces) - len(missing)
-            self.misses += len(missing)
         out: list[int] = []
         for piece in pieces:
             out.extend(found[piece])
