@@ -14,7 +14,13 @@ from dataclasses import replace
 
 from wasma.core.tokens import hash_token_blocks
 from wasma.deploy.engine_health import EngineHealth
-from wasma.deploy.live_request import EngineFault, LiveRequest, aclose_quietly, empty_stream
+from wasma.deploy.live_request import (
+    EngineFault,
+    LiveRequest,
+    StallWatch,
+    aclose_quietly,
+    empty_stream,
+)
 from wasma.deploy.metrics import WasmaMetrics
 from wasma.deploy.router_config import RouterConfig
 from wasma.deploy.service_types import BadRequest, ServiceError, Unavailable
@@ -116,13 +122,22 @@ class EngineRunner:
         timeout or is found dead meanwhile. A `ValueError` is the request's own fault."""
         slot = live.slot
         live.last_s = self.now()
+        task = asyncio.current_task()
+        watch = live.stall
+        if watch is None or watch.task is not task:
+            assert task is not None
+            watch = live.stall = StallWatch(task)
         try:
+            # No timer per chunk: the poller's stall check (_check_stalls) and the
+            # health check end this wait, through the watch, when the engine stops
+            # making progress.
+            live.waiting = watch
             try:
-                # No timer per chunk: the poller's stall check (_check_stalls) and the
-                # health check end this wait when the engine stops making progress.
-                async with asyncio.timeout(None) as waiting:
-                    live.waiting = waiting
-                    return await gen.__anext__()
+                return await gen.__anext__()
+            except asyncio.CancelledError:
+                if watch.caught():
+                    raise TimeoutError from None
+                raise
             finally:
                 live.waiting = None  # before the handlers below, which may mark engines down
         except TimeoutError:

@@ -35,6 +35,35 @@ class ReportedChunk(TokenChunk):
     gaps: tuple[tuple[float, int], ...] = ()
 
 
+class StallWatch:
+    """How the stall check ends one task's wait for its engine: it cancels the task, as
+    an expiring `asyncio.timeout` would, and the waiter turns that cancellation into an
+    engine fault. One per request and task, not a timeout object per chunk: a streamed
+    answer waits once a token, on the gateway's hot path."""
+
+    __slots__ = ("cancelling", "fired", "task")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        self.fired = False
+        self.cancelling = 0  # the task's pending cancellations before this one
+
+    def fire(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.cancelling = self.task.cancelling()
+            self.task.cancel()
+
+    def caught(self) -> bool:
+        """Called with the `CancelledError` the waiter got: True where it was this
+        watch's alone (the waiter raises its fault), False where it is another
+        cancellation's (the client left, shutdown), which goes on."""
+        if not self.fired:
+            return False
+        self.fired = False
+        return self.task.uncancel() <= self.cancelling
+
+
 class EngineFault(Exception):
     """An engine failed a request by its own fault (died, hung, errored): the request may
     move to another engine. Never raised for the client's own mistakes."""
@@ -67,7 +96,10 @@ class LiveRequest:
     last_s: float = 0.0  # when the request last got a chunk (or was placed)
     # The running wait for this request's next chunk; rescheduled to "now" to pull the
     # request off an engine the health check found dead or hung.
-    waiting: asyncio.Timeout | None = None
+    # Set while the request's task waits for its engine's next chunk: the stall check
+    # ends that wait through it.
+    waiting: StallWatch | None = None
+    stall: StallWatch | None = None  # the last one made, reused while the task is the same
     # Its engine's load when it was placed, excluding itself (prefill tokens queued
     # ahead, requests, KV tokens): what cost calibration compares the timings against.
     load_at_dispatch: tuple[int, int, int] = (0, 0, 0)
@@ -158,8 +190,8 @@ async def empty_stream() -> AsyncIterator[TokenChunk]:
 def expire(live: LiveRequest) -> None:
     """End `live`'s wait for its engine now (it moves to another engine)."""
     waiting = live.waiting
-    if waiting is not None and not waiting.expired():
-        waiting.reschedule(asyncio.get_running_loop().time())
+    if waiting is not None:
+        waiting.fire()
 
 
 async def aclose_quietly(gen: AsyncIterator[TokenChunk]) -> None:

@@ -270,6 +270,10 @@ class WasmaMetrics:
         self._histograms: dict[str, Histogram] = {}
         for spec in self.SPECS:
             self._build(spec)
+        # The inter-token histogram's child per engine: it is observed once a streamed
+        # token, and `labels()` (a lock, a tuple, two lookups) cost as much as the
+        # observation. Histogram children are never removed, so a kept one stays live.
+        self._inter_token: dict[str, Histogram] = {}
         self._gauges["wasma_build_info"].labels(_version(), platform.python_version()).set(1)
         self._app_label("default")  # the app of workflows that name none
 
@@ -393,7 +397,10 @@ class WasmaMetrics:
     def observe_inter_token(self, engine: str, seconds: float, tokens: int = 1) -> None:
         """`engine` produced a request's next `tokens` output tokens `seconds` after its
         previous output: `tokens` samples of an equal share of the gap."""
-        hist = self._histograms["wasma_request_inter_token_seconds"].labels(engine)
+        hist = self._inter_token.get(engine)
+        if hist is None:
+            hist = self._histograms["wasma_request_inter_token_seconds"].labels(engine)
+            self._inter_token[engine] = hist
         each = max(seconds, 0.0) / tokens
         for _ in range(tokens):
             hist.observe(each)

@@ -67,6 +67,9 @@ def output_events_in(raw: bytes) -> int:
     events in one read, and each is a step of the engine's."""
     if b'"delta"' not in raw and b'"text"' not in raw:
         return 0
+    events = raw.count(b"\n\n")
+    if events == 0 or (events == 1 and raw.endswith(b"\n\n")):
+        return 1  # one event (or part of one), the common read of a stream kept up with
     return sum(1 for event in raw.split(b"\n\n") if b'"delta"' in event or b'"text"' in event)
 
 
