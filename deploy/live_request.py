@@ -94,10 +94,8 @@ class LiveRequest:
     raw_sent: bool = False  # a passed-through answer has bytes out already
     failovers: int = 0
     last_s: float = 0.0  # when the request last got a chunk (or was placed)
-    # The running wait for this request's next chunk; rescheduled to "now" to pull the
-    # request off an engine the health check found dead or hung.
     # Set while the request's task waits for its engine's next chunk: the stall check
-    # ends that wait through it.
+    # fires it to pull the request off an engine the health check found dead or hung.
     waiting: StallWatch | None = None
     stall: StallWatch | None = None  # the last one made, reused while the task is the same
     # Its engine's load when it was placed, excluding itself (prefill tokens queued
