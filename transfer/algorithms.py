@@ -97,7 +97,9 @@ def best_chunks(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> int:
     return int(ks[int(np.argmin(total))])
 
 
-def chunks_per_tree(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> list[Hop]:
+def chunks_per_tree(
+    table: LinkTable, hops: Sequence[Hop], max_chunks: int, *, tapered: bool = True
+) -> list[Hop]:
     """Each tree (a root hop and the hops forwarding it) cut into its own best piece
     count: trees at fixed rates do not wait on one another, so a one-hop path need not pay
     the per-piece cost a deep one needs to pipeline."""
@@ -112,9 +114,49 @@ def chunks_per_tree(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> l
         position = {old: new for new, old in enumerate(members)}
         local = [_renumbered(hops[i], position) for i in members]
         chunks = best_chunks(table, local, max_chunks)
+        taper, ramp = 0, 1.0
+        if tapered:
+            taper, ramp, chunks = best_taper(table, local, chunks, max_chunks)
         for i in members:
-            out[i] = replace(hops[i], chunks=max(1, min(chunks, hops[i].num_bytes or 1)))
+            out[i] = replace(
+                hops[i],
+                chunks=max(1, min(chunks, hops[i].num_bytes or 1)),
+                taper=taper,
+                ramp=ramp,
+            )
     return out
+
+
+# Tapers tried per tree: pieces shrinking toward both ends by `ramp` per step, over
+# `taper` steps, with the piece count raised by 0 or taper (the small end pieces
+# carry little, so the middle ones keep their size).
+TAPERS = (2, 6)
+RAMPS = (1.15, 1.3)
+
+
+def best_taper(
+    table: LinkTable, tree: Sequence[Hop], chunks: int, max_chunks: int
+) -> tuple[int, float, int]:
+    """(taper, ramp, chunks) for one tree, priced by the model against equal pieces.
+
+    Equal pieces make every hop but the bottleneck wait a whole piece before it starts
+    (and after the bottleneck ends): the fill is a piece's time on each faster hop. A
+    small first piece starts the tree sooner and pieces growing no faster than the next
+    hop is faster than the bottleneck keep it busy; tapered last pieces end it sooner."""
+    if len(tree) < 2 or chunks < 2:
+        return 0, 1.0, chunks
+    best = (table.evaluate(tree), 0, 1.0, chunks)
+    for taper in TAPERS:
+        for extra in (0, taper):
+            k = min(max_chunks, chunks + extra)
+            if k < 2 * taper + 1:
+                continue
+            for ramp in RAMPS:
+                trial = [replace(h, chunks=max(1, min(k, h.num_bytes or 1)), taper=taper, ramp=ramp) for h in tree]
+                t = table.evaluate(trial)
+                if t < best[0] * (1 - 1e-9):
+                    best = (t, taper, ramp, k)
+    return best[1], best[2], best[3]
 
 
 def _renumbered(hop: Hop, position: dict[int, int]) -> Hop:

@@ -13,8 +13,10 @@ from wasma.transfer.units import format_bytes, format_seconds
 class Hop:
     """Send bytes [offset_bytes, offset_bytes + num_bytes) from `src` to `dst`.
 
-    The range goes in `chunks` equal pieces (integer boundaries, see `chunk_bounds`), in
-    order. `after` is the index of the hop that delivers this range to `src` (None when
+    The range goes in `chunks` pieces (integer boundaries, see `chunk_bounds`), in order:
+    equal ones, or with `taper` > 0 the first and last `taper` pieces shrinking by `ramp`
+    per step toward the ends (a small first piece starts the next hop of a tree sooner, a
+    small last one ends it sooner: less pipeline fill for the same piece count). `after` is the index of the hop that delivers this range to `src` (None when
     `src` holds it from the start); a piece is forwarded as soon as it has arrived, so a
     chain pipelines. Hops of a later `stage` start only when every hop of the earlier
     stages is done (a round barrier, as in a binomial tree).
@@ -31,9 +33,11 @@ class Hop:
     # The rate a fluid schedule gave this hop (bytes/s); None: it shares its links evenly
     # with the plan's other hops that run at the same time.
     rate_Bps: float | None = None
+    taper: int = 0
+    ramp: float = 1.0
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
-        return chunk_bounds(self.offset_bytes, self.num_bytes, self.chunks)
+        return chunk_bounds(self.offset_bytes, self.num_bytes, self.chunks, self.taper, self.ramp)
 
     def links(self) -> list[tuple[str, str]]:
         """Directed links this hop occupies (each direction of a cable is its own)."""
@@ -63,11 +67,34 @@ def even_spans(devices: Sequence[str], num_bytes: int) -> tuple[Span, ...]:
     )
 
 
-def chunk_bounds(offset: int, length: int, chunks: int) -> list[tuple[int, int]]:
-    """[start, end) of each piece; equal to a byte, so the model and executors agree."""
-    return [
-        (offset + c * length // chunks, offset + (c + 1) * length // chunks) for c in range(chunks)
+def chunk_bounds(
+    offset: int, length: int, chunks: int, taper: int = 0, ramp: float = 1.0
+) -> list[tuple[int, int]]:
+    """[start, end) of each piece, exact to the byte so the model and executors agree.
+
+    Equal pieces, or (taper > 0) piece c weighs ramp ** -(taper - min(c, chunks-1-c, taper)):
+    the middle ones 1, the end ones smaller by `ramp` per step. The weights are rounded
+    to integers first so the boundaries are integer arithmetic."""
+    if taper <= 0 or ramp == 1.0 or chunks < 3:
+        return [
+            (offset + c * length // chunks, offset + (c + 1) * length // chunks)
+            for c in range(chunks)
+        ]
+    weights = [
+        max(1, round(WEIGHT_UNIT * ramp ** -(taper - min(c, chunks - 1 - c, taper))))
+        for c in range(chunks)
     ]
+    total = sum(weights)
+    bounds = []
+    cumulative = 0
+    for w in weights:
+        lo = offset + cumulative * length // total
+        cumulative += w
+        bounds.append((lo, offset + cumulative * length // total))
+    return bounds
+
+
+WEIGHT_UNIT = 1 << 20  # a middle piece's integer weight in `chunk_bounds`
 
 
 @dataclass(frozen=True)
@@ -145,6 +172,8 @@ class TransferPlan:
             )
             if hop.chunks > 1:
                 line += f" in {hop.chunks} chunks"
+                if hop.taper and hop.ramp != 1.0:
+                    line += f" (ends tapered x{hop.ramp:g} over {hop.taper})"
             if via:
                 line += f" via {' > '.join(via)}"
             if hop.after is not None:
@@ -209,6 +238,8 @@ def check_plan(plan: TransferPlan) -> None:
         lo, hi = hop.offset_bytes, hop.offset_bytes + hop.num_bytes
         if hop.num_bytes < 0 or lo < 0 or hi > plan.bytes or hop.chunks < 1:
             raise ValueError(f"hop {index}: range [{lo}, {hi}) or chunks {hop.chunks} invalid")
+        if hop.taper < 0 or not hop.ramp >= 1.0:
+            raise ValueError(f"hop {index}: taper {hop.taper} or ramp {hop.ramp} invalid")
         if (
             hop.src == hop.dst
             or not hop.path

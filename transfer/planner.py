@@ -417,6 +417,21 @@ class Planner:
         for _ in range(REWEIGHT_ROUNDS + 1):
             hops = work_conserving(self.links, shape.hops(num_bytes, shares))
             cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+            if not plans:
+                # Equal pieces as well: a tree's taper is priced alone, the plan with all.
+                even = alg.chunks_per_tree(self.links, hops, cap, tapered=False)
+                plans.append(
+                    TransferPlan(
+                        name,
+                        even[0].src if even[0].src in sources else sources[0],
+                        targets,
+                        num_bytes,
+                        self.links.evaluate(even),
+                        tuple(even),
+                        max(h.chunks for h in even),
+                        holders=sources,
+                    )
+                )
             hops = alg.chunks_per_tree(self.links, hops, cap)
             chunks = max(h.chunks for h in hops)
             finish = self.links.finish_times(hops)
