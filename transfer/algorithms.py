@@ -11,6 +11,7 @@ landing (latency). `best_chunks` minimises that over k at once.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +19,7 @@ from dataclasses import replace
 import networkx as nx
 import numpy as np
 
-from wasma.transfer.costmodel import LinkTable
+from wasma.transfer.costmodel import HopCost, LinkTable
 from wasma.transfer.plan import Hop
 
 # Bytes used to rank "near" destinations: big enough that bandwidth matters, small enough
@@ -97,66 +98,128 @@ def best_chunks(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> int:
     return int(ks[int(np.argmin(total))])
 
 
-def chunks_per_tree(
-    table: LinkTable, hops: Sequence[Hop], max_chunks: int, *, tapered: bool = True
-) -> list[Hop]:
+def chunks_per_tree(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> list[Hop]:
     """Each tree (a root hop and the hops forwarding it) cut into its own best piece
     count: trees at fixed rates do not wait on one another, so a one-hop path need not pay
     the per-piece cost a deep one needs to pipeline."""
+    out = list(hops)
+    for members in trees_of(hops).values():
+        position = {old: new for new, old in enumerate(members)}
+        local = [_renumbered(hops[i], position) for i in members]
+        chunks = best_chunks(table, local, max_chunks)
+        for i in members:
+            out[i] = replace(hops[i], chunks=max(1, min(chunks, hops[i].num_bytes or 1)))
+    return out
+
+
+def trees_of(hops: Sequence[Hop]) -> dict[int, list[int]]:
+    """Hop indices per tree (a root hop and the hops forwarding it), keyed by the root."""
     trees: dict[int, list[int]] = {}
     root: dict[int, int] = {}
     for index, hop in enumerate(hops):
         parent = hop.after
         root[index] = index if parent is None else root[parent]
         trees.setdefault(root[index], []).append(index)
+    return trees
+
+
+# Tapered pieces (`Hop.taper`, `Hop.ramp`). A ramp below MIN_RAMP saves too little fill to
+# pay for the extra pieces; above MAX_RAMP pieces would grow past what the model's closed
+# form covers. The smallest end piece stays at least 1 / MAX_SHRINK of a middle one and
+# MIN_END_BYTES long, and at most MAX_TAPER pieces taper at each end.
+MIN_RAMP = 1.02
+MAX_RAMP = 2.0
+MAX_SHRINK = 16.0
+MIN_END_BYTES = 4096
+MAX_TAPER = 32
+
+
+def tree_taper(
+    hops: Sequence[Hop], costs: Sequence[HopCost], members: Sequence[int]
+) -> tuple[int, float, int] | None:
+    """(taper, ramp, chunks) for one pipelined tree, in closed form; None when equal
+    pieces are as good.
+
+    A route's last piece lands after the longest path through the grid of (hop, piece)
+    cells, each cell a piece's time on a hop (o + m / beta_h). With equal pieces of m
+    bytes, a hop faster than the route's bottleneck (rate b) adds m / beta_h (the fill:
+    the bottleneck waits for the first piece, or the end for the last one). If pieces grow
+    by `ramp` <= beta_h / b per step from the ends, the bottleneck never waits for the next
+    one, so the longest path crosses the faster hops on an end piece: the fill falls to
+    m_end * sum(1 / beta_h). So ramp is the smallest such ratio over the tree's routes,
+    and the route lands at about N / b + (k + hops - 1) * o + m_end * sum_fast(1 / beta_h)
+    + m_mid * (hops at the bottleneck's rate - 1) / b + its delays, with m_mid = N / W,
+    W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), m_end = m_mid * ramp^-taper.
+    Minimised over k and taper at once (the tree lands with its slowest route), against
+    the same formula with equal pieces at the piece count the tree has."""
+    first = hops[members[0]]
+    if len(members) < 2 or first.chunks < 3:
+        return None
+    if any(hops[i].stage != first.stage for i in members):
+        return None
+    has_child = {hops[i].after for i in members}
+    ramp = MAX_RAMP
+    routes: set[tuple[float, float, float, float]] = set()  # (bytes, const, fast, even)
+    for leaf in (i for i in members if i not in has_child):
+        route = [leaf]
+        while (parent := hops[route[-1]].after) is not None:
+            route.append(parent)
+        rates = [costs[i].bandwidth_Bps for i in route]
+        slowest = min(rates)
+        faster = [r for r in rates if r > slowest * MIN_RAMP]
+        if faster:
+            ramp = min(ramp, min(faster) / slowest)
+        size = float(min(hops[i].num_bytes for i in route))
+        const = size / slowest + sum(costs[i].alpha_s for i in route)
+        routes.add(
+            (
+                size,
+                const,
+                sum(1.0 / r for r in faster),
+                (len(rates) - len(faster) - 1) / slowest,
+            )
+        )
+    if ramp < MIN_RAMP or not any(fast for _, _, fast, _ in routes):
+        return None
+    ramp = round(ramp * 1000) / 1000  # a readable ramp; the weights are exact integers
+    occupy = max(costs[i].occupy_s for i in members)
+    k0 = first.chunks
+    most = min(MAX_TAPER, int(math.log(MAX_SHRINK) / math.log(ramp)), (k0 - 1) // 2)
+    if most < 1:
+        return None
+    ks = np.arange(3, k0 + 1, dtype=float)[:, None]
+    steps = np.arange(most + 1, dtype=float)
+    shrink = ramp**-steps
+    weight = ks - 2 * steps + 2 * np.concatenate(([0.0], np.cumsum(shrink[1:])))
+    columns = np.array(sorted(routes)).T[:, None, None, :]  # (column, 1, 1, route)
+    size, const, fast, even = columns
+    middle = size / weight[..., None]  # (k, taper, route)
+    end = middle * shrink[None, :, None]
+    land = (const + middle * even + end * fast).max(axis=2) + ks * occupy  # (k, taper)
+    land[(2 * steps[None, :] + 1 > ks) | (end.min(axis=2) < MIN_END_BYTES)] = np.inf
+    k_best, taper = np.unravel_index(int(np.argmin(land)), land.shape)
+    if taper == 0 or not land[k_best, taper] < land[-1, 0]:
+        return None
+    return int(taper), ramp, int(ks[k_best, 0])
+
+
+def taper_trees(table: LinkTable, hops: Sequence[Hop]) -> list[Hop] | None:
+    """`hops` (already in their piece counts) with each tree that the closed form says
+    gains from it cut into tapered pieces (`tree_taper`); None when none does."""
+    costs = table.hop_costs(hops)
     out = list(hops)
-    for members in trees.values():
-        position = {old: new for new, old in enumerate(members)}
-        local = [_renumbered(hops[i], position) for i in members]
-        chunks = best_chunks(table, local, max_chunks)
-        taper, ramp = 0, 1.0
-        if tapered:
-            taper, ramp, chunks = best_taper(table, local, chunks, max_chunks)
+    changed = False
+    for members in trees_of(hops).values():
+        shape = tree_taper(hops, costs, members)
+        if shape is None:
+            continue
+        taper, ramp, chunks = shape
         for i in members:
             out[i] = replace(
-                hops[i],
-                chunks=max(1, min(chunks, hops[i].num_bytes or 1)),
-                taper=taper,
-                ramp=ramp,
+                hops[i], chunks=max(1, min(chunks, hops[i].num_bytes or 1)), taper=taper, ramp=ramp
             )
-    return out
-
-
-# Tapers tried per tree: pieces shrinking toward both ends by `ramp` per step, over
-# `taper` steps, with the piece count raised by 0 or taper (the small end pieces
-# carry little, so the middle ones keep their size).
-TAPERS = (2, 6)
-RAMPS = (1.15, 1.3)
-
-
-def best_taper(
-    table: LinkTable, tree: Sequence[Hop], chunks: int, max_chunks: int
-) -> tuple[int, float, int]:
-    """(taper, ramp, chunks) for one tree, priced by the model against equal pieces.
-
-    Equal pieces make every hop but the bottleneck wait a whole piece before it starts
-    (and after the bottleneck ends): the fill is a piece's time on each faster hop. A
-    small first piece starts the tree sooner and pieces growing no faster than the next
-    hop is faster than the bottleneck keep it busy; tapered last pieces end it sooner."""
-    if len(tree) < 2 or chunks < 2:
-        return 0, 1.0, chunks
-    best = (table.evaluate(tree), 0, 1.0, chunks)
-    for taper in TAPERS:
-        for extra in (0, taper):
-            k = min(max_chunks, chunks + extra)
-            if k < 2 * taper + 1:
-                continue
-            for ramp in RAMPS:
-                trial = [replace(h, chunks=max(1, min(k, h.num_bytes or 1)), taper=taper, ramp=ramp) for h in tree]
-                t = table.evaluate(trial)
-                if t < best[0] * (1 - 1e-9):
-                    best = (t, taper, ramp, k)
-    return best[1], best[2], best[3]
+        changed = True
+    return out if changed else None
 
 
 def _renumbered(hop: Hop, position: dict[int, int]) -> Hop:

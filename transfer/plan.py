@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,8 +17,9 @@ class Hop:
     The range goes in `chunks` pieces (integer boundaries, see `chunk_bounds`), in order:
     equal ones, or with `taper` > 0 the first and last `taper` pieces shrinking by `ramp`
     per step toward the ends (a small first piece starts the next hop of a tree sooner, a
-    small last one ends it sooner: less pipeline fill for the same piece count). `after` is the index of the hop that delivers this range to `src` (None when
-    `src` holds it from the start); a piece is forwarded as soon as it has arrived, so a
+    small last one ends it sooner: less pipeline fill for the same piece count). `after`
+    is the index of the hop that delivers this range to `src` (None when `src` holds it
+    from the start); a piece is forwarded as soon as it has arrived, so a
     chain pipelines. Hops of a later `stage` start only when every hop of the earlier
     stages is done (a round barrier, as in a binomial tree).
     """
@@ -67,34 +69,50 @@ def even_spans(devices: Sequence[str], num_bytes: int) -> tuple[Span, ...]:
     )
 
 
+# Integer weights of `chunk_bounds`: a middle piece weighs WEIGHT_UNIT, and the ramp is
+# read in units of 1 / RAMP_UNIT (a float times a power of two is exact), so every
+# machine running a plan cuts it at the same bytes: no floating-point power is involved.
+WEIGHT_UNIT = 1 << 20
+RAMP_UNIT = 1 << 16
+
+
+def taper_weights(taper: int, ramp: float) -> list[int]:
+    """Integer weights of the `taper` end pieces, the outermost first: each is the next
+    one inward divided by `ramp`, the one next to the middle WEIGHT_UNIT / ramp."""
+    step = round(ramp * RAMP_UNIT)
+    weights = []
+    weight = WEIGHT_UNIT
+    for _ in range(taper):
+        weight = max(1, weight * RAMP_UNIT // step)
+        weights.append(weight)
+    return weights[::-1]
+
+
 def chunk_bounds(
     offset: int, length: int, chunks: int, taper: int = 0, ramp: float = 1.0
 ) -> list[tuple[int, int]]:
     """[start, end) of each piece, exact to the byte so the model and executors agree.
 
-    Equal pieces, or (taper > 0) piece c weighs ramp ** -(taper - min(c, chunks-1-c, taper)):
-    the middle ones 1, the end ones smaller by `ramp` per step. The weights are rounded
-    to integers first so the boundaries are integer arithmetic."""
-    if taper <= 0 or ramp == 1.0 or chunks < 3:
+    Equal pieces, or (taper > 0, ramp > 1) the first and last `taper` pieces smaller by
+    `ramp` per step toward the ends (`taper_weights`), the middle ones equal: bytes in
+    proportion to integer weights, boundaries by integer division."""
+    if taper <= 0 or ramp <= 1.0 or chunks < 3:
         return [
             (offset + c * length // chunks, offset + (c + 1) * length // chunks)
             for c in range(chunks)
         ]
+    ends = taper_weights(taper, ramp)
     weights = [
-        max(1, round(WEIGHT_UNIT * ramp ** -(taper - min(c, chunks - 1 - c, taper))))
-        for c in range(chunks)
+        ends[depth] if depth < taper else WEIGHT_UNIT
+        for depth in (min(c, chunks - 1 - c) for c in range(chunks))
     ]
     total = sum(weights)
-    bounds = []
+    edges = [offset]
     cumulative = 0
-    for w in weights:
-        lo = offset + cumulative * length // total
-        cumulative += w
-        bounds.append((lo, offset + cumulative * length // total))
-    return bounds
-
-
-WEIGHT_UNIT = 1 << 20  # a middle piece's integer weight in `chunk_bounds`
+    for weight in weights:
+        cumulative += weight
+        edges.append(offset + cumulative * length // total)
+    return list(itertools.pairwise(edges))
 
 
 @dataclass(frozen=True)
@@ -238,7 +256,12 @@ def check_plan(plan: TransferPlan) -> None:
         lo, hi = hop.offset_bytes, hop.offset_bytes + hop.num_bytes
         if hop.num_bytes < 0 or lo < 0 or hi > plan.bytes or hop.chunks < 1:
             raise ValueError(f"hop {index}: range [{lo}, {hi}) or chunks {hop.chunks} invalid")
-        if hop.taper < 0 or not hop.ramp >= 1.0:
+        if (
+            isinstance(hop.taper, bool)
+            or not isinstance(hop.taper, int)
+            or hop.taper < 0
+            or not 1.0 <= hop.ramp < float("inf")
+        ):
             raise ValueError(f"hop {index}: taper {hop.taper} or ramp {hop.ramp} invalid")
         if (
             hop.src == hop.dst

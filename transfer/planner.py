@@ -52,6 +52,8 @@ _PRESET_GPU = re.compile(r"n(\d+)\.gpu(\d+)")
 # Re-weightings of a gather's or scatter's flow tried after the plain one (each is a few
 # max flows and one pricing).
 REWEIGHT_ROUNDS = 3
+# Rounds with tapered pieces after those (`_packed_plans`): the taper, and one rebalancing.
+TAPER_ROUNDS = 2
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
@@ -413,45 +415,56 @@ class Planner:
         own piece count, and up to `REWEIGHT_ROUNDS` rebalancings of the bytes per tree
         so that deep trees carry fewer and all finish together (every try kept)."""
         plans = []
+        tries: list[tuple[list[Hop], list[float]]] = []
         shares: list[float] | None = None
         for _ in range(REWEIGHT_ROUNDS + 1):
             hops = work_conserving(self.links, shape.hops(num_bytes, shares))
             cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-            if not plans:
-                # Equal pieces as well: a tree's taper is priced alone, the plan with all.
-                even = alg.chunks_per_tree(self.links, hops, cap, tapered=False)
-                plans.append(
-                    TransferPlan(
-                        name,
-                        even[0].src if even[0].src in sources else sources[0],
-                        targets,
-                        num_bytes,
-                        self.links.evaluate(even),
-                        tuple(even),
-                        max(h.chunks for h in even),
-                        holders=sources,
-                    )
-                )
             hops = alg.chunks_per_tree(self.links, hops, cap)
-            chunks = max(h.chunks for h in hops)
             finish = self.links.finish_times(hops)
-            holder = hops[0].src
-            plans.append(
-                TransferPlan(
-                    name,
-                    holder if holder in sources else sources[0],
-                    targets,
-                    num_bytes,
-                    max(finish),
-                    tuple(hops),
-                    chunks,
-                    holders=sources,
-                )
-            )
+            plans.append(self._packed_plan(name, sources, targets, num_bytes, hops, finish))
+            tries.append((hops, finish))
             shares = _balanced_shares(shape, hops, finish, num_bytes)
             if shares is None or len(shape.trees) == 1:
                 break
+        # The fastest try again with tapered pieces in the trees that gain from them (a
+        # closed form per tree, `alg.taper_trees`), and rebalanced once more, since the
+        # tapered trees now finish sooner than the others: two more evaluations at most.
+        hops = min(tries, key=lambda t: max(t[1]))[0]
+        for _ in range(TAPER_ROUNDS):
+            tapered = alg.taper_trees(self.links, hops)
+            if tapered is None:
+                break
+            finish = self.links.finish_times(tapered)
+            plans.append(self._packed_plan(name, sources, targets, num_bytes, tapered, finish))
+            shares = _balanced_shares(shape, tapered, finish, num_bytes)
+            if shares is None or len(shape.trees) == 1:
+                break
+            hops = work_conserving(self.links, shape.hops(num_bytes, shares))
+            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
+            hops = alg.chunks_per_tree(self.links, hops, cap)
         return plans
+
+    @staticmethod
+    def _packed_plan(
+        name: str,
+        sources: tuple[str, ...],
+        targets: tuple[str, ...],
+        num_bytes: int,
+        hops: Sequence[Hop],
+        finish: Sequence[float],
+    ) -> TransferPlan:
+        holder = hops[0].src
+        return TransferPlan(
+            name,
+            holder if holder in sources else sources[0],
+            targets,
+            num_bytes,
+            max(finish),
+            tuple(hops),
+            max(h.chunks for h in hops),
+            holders=sources,
+        )
 
     def candidates(
         self,
