@@ -14,7 +14,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import networkx as nx
 import numpy as np
@@ -123,103 +123,158 @@ def trees_of(hops: Sequence[Hop]) -> dict[int, list[int]]:
     return trees
 
 
-# Tapered pieces (`Hop.taper`, `Hop.ramp`). A ramp below MIN_RAMP saves too little fill to
-# pay for the extra pieces; above MAX_RAMP pieces would grow past what the model's closed
-# form covers. The smallest end piece stays at least 1 / MAX_SHRINK of a middle one and
-# MIN_END_BYTES long, and at most MAX_TAPER pieces taper at each end.
+# Tapered pieces (`Hop.taper`, `Hop.ramp`). Hops within MIN_RAMP of a route's bottleneck
+# rate count as running at it; ramps are tried up to MAX_RAMP. The smallest end piece
+# stays at least 1 / MAX_SHRINK of a middle one and MIN_END_BYTES long, and at most
+# MAX_TAPER pieces taper at each end; at most MAX_RAMPS ramps are priced per tree.
 MIN_RAMP = 1.02
 MAX_RAMP = 2.0
 MAX_SHRINK = 16.0
 MIN_END_BYTES = 4096
 MAX_TAPER = 32
+MAX_RAMPS = 4
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One root-to-leaf route of a tree, as `tree_taper` prices it."""
+
+    size: float  # bytes
+    const: float  # bytes over the bottleneck rate, plus every hop's fixed costs
+    up: float  # sum of 1 / rate over the faster hops before the bottleneck's
+    up_gap: float  # 1 / bottleneck rate - 1 / the slowest of those
+    down: float  # the same after the bottleneck's hops
+    down_gap: float
+    middle: float  # per middle-piece byte: hops between two at the bottleneck's rate
+
+
+def _route(rates: Sequence[float], size: float, const: float) -> _Route:
+    slowest = min(rates)
+    slow = [n for n, r in enumerate(rates) if r <= slowest * MIN_RAMP]
+    up = rates[: slow[0]]
+    down = rates[slow[-1] + 1 :]
+    inner = [r for n, r in enumerate(rates) if slow[0] < n < slow[-1] and n not in slow]
+    return _Route(
+        size,
+        const,
+        sum(1.0 / r for r in up),
+        1.0 / slowest - 1.0 / min(up) if up else 0.0,
+        sum(1.0 / r for r in down),
+        1.0 / slowest - 1.0 / min(down) if down else 0.0,
+        (len(slow) - 1) / slowest + sum(1.0 / r for r in inner),
+    )
+
+
+def _end_fill(
+    rel: np.ndarray, before: np.ndarray, valid: np.ndarray, width: np.ndarray, gap: np.ndarray
+) -> np.ndarray:
+    """Per (taper, route), over a middle piece's bytes: the longest path's cost at one end,
+    max over j of m_j * width - gap * (m_0 + ... + m_{j-1})."""
+    cost = rel[..., None] * width - before[..., None] * gap  # (taper, j, route)
+    fill: np.ndarray = np.where(valid, cost, -np.inf).max(axis=1)
+    return fill
 
 
 def tree_taper(
     hops: Sequence[Hop], costs: Sequence[HopCost], members: Sequence[int]
-) -> tuple[int, float, int] | None:
-    """(taper, ramp, chunks) for one pipelined tree, in closed form; None when equal
-    pieces are as good.
+) -> tuple[int, float, int, float] | None:
+    """(taper, ramp, chunks, seconds gained) for one pipelined tree, in closed form; None
+    when equal pieces are as good.
 
     A route's last piece lands after the longest path through the grid of (hop, piece)
-    cells, each cell a piece's time on a hop (o + m / beta_h). With equal pieces of m
-    bytes, a hop faster than the route's bottleneck (rate b) adds m / beta_h (the fill:
-    the bottleneck waits for the first piece, or the end for the last one). If pieces grow
-    by `ramp` <= beta_h / b per step from the ends, the bottleneck never waits for the next
-    one, so the longest path crosses the faster hops on an end piece: the fill falls to
-    m_end * sum(1 / beta_h). So ramp is the smallest such ratio over the tree's routes,
-    and the route lands at about N / b + (k + hops - 1) * o + m_end * sum_fast(1 / beta_h)
-    + m_mid * (hops at the bottleneck's rate - 1) / b + its delays, with m_mid = N / W,
-    W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), m_end = m_mid * ramp^-taper.
-    Minimised over k and taper at once (the tree lands with its slowest route), against
-    the same formula with equal pieces at the piece count the tree has."""
+    cells, each cell a piece's time on a hop (o + m / beta_h), plus its delays. With equal
+    pieces of m bytes that is N / b + m * (sum of 1 / beta_h over the hops but the
+    bottleneck) + fixed costs: the faster hops cost a whole piece each (the fill). With
+    pieces m_0 <= m_1 <= ... growing from the front, the path may cross the U = sum
+    1 / beta_h of the hops before the bottleneck on piece j, having carried the pieces
+    before j on the slowest of them (1 / b - g per byte less than on the bottleneck):
+    max over j of m_j * U - g * (m_0 + ... + m_{j-1}); the same for the tail after the
+    bottleneck; hops between two at the bottleneck's rate pay a middle piece. Growth by
+    ramp = 1 + g / U keeps that max at j = 0 (the end piece): that is the ramp tried for
+    each side of each route (at most MAX_RAMPS of them). With m_mid = N / W,
+    W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), the tree's slowest route is
+    minimised over k and taper at once, against equal pieces at the tree's own count."""
     first = hops[members[0]]
     if len(members) < 2 or first.chunks < 3:
         return None
     if any(hops[i].stage != first.stage for i in members):
         return None
     has_child = {hops[i].after for i in members}
-    ramp = MAX_RAMP
-    routes: set[tuple[float, float, float, float]] = set()  # (bytes, const, fast, even)
+    routes: set[_Route] = set()
     for leaf in (i for i in members if i not in has_child):
         route = [leaf]
         while (parent := hops[route[-1]].after) is not None:
             route.append(parent)
+        route.reverse()
         rates = [costs[i].bandwidth_Bps for i in route]
-        slowest = min(rates)
-        faster = [r for r in rates if r > slowest * MIN_RAMP]
-        if faster:
-            ramp = min(ramp, min(faster) / slowest)
         size = float(min(hops[i].num_bytes for i in route))
-        const = size / slowest + sum(costs[i].alpha_s for i in route)
-        routes.add(
-            (
-                size,
-                const,
-                sum(1.0 / r for r in faster),
-                (len(rates) - len(faster) - 1) / slowest,
-            )
-        )
-    if ramp < MIN_RAMP or not any(fast for _, _, fast, _ in routes):
+        routes.add(_route(rates, size, size / min(rates) + sum(costs[i].alpha_s for i in route)))
+    ramps = sorted(
+        {
+            round(min(MAX_RAMP, 1.0 + gap / width) * 1000) / 1000  # readable; weights exact
+            for r in routes
+            for width, gap in ((r.up, r.up_gap), (r.down, r.down_gap))
+            if width > 0 and gap / width >= MIN_RAMP - 1.0
+        }
+    )
+    if not ramps:
         return None
-    ramp = round(ramp * 1000) / 1000  # a readable ramp; the weights are exact integers
+    if len(ramps) > MAX_RAMPS:
+        ramps = [ramps[round(i * (len(ramps) - 1) / (MAX_RAMPS - 1))] for i in range(MAX_RAMPS)]
+    columns = np.array([[getattr(r, f) for r in routes] for f in _Route.__dataclass_fields__])
+    size, const, up, up_gap, down, down_gap, middle = columns[:, None, None, :]
     occupy = max(costs[i].occupy_s for i in members)
     k0 = first.chunks
-    most = min(MAX_TAPER, int(math.log(MAX_SHRINK) / math.log(ramp)), (k0 - 1) // 2)
-    if most < 1:
-        return None
     ks = np.arange(3, k0 + 1, dtype=float)[:, None]
-    steps = np.arange(most + 1, dtype=float)
-    shrink = ramp**-steps
-    weight = ks - 2 * steps + 2 * np.concatenate(([0.0], np.cumsum(shrink[1:])))
-    columns = np.array(sorted(routes)).T[:, None, None, :]  # (column, 1, 1, route)
-    size, const, fast, even = columns
-    middle = size / weight[..., None]  # (k, taper, route)
-    end = middle * shrink[None, :, None]
-    land = (const + middle * even + end * fast).max(axis=2) + ks * occupy  # (k, taper)
-    land[(2 * steps[None, :] + 1 > ks) | (end.min(axis=2) < MIN_END_BYTES)] = np.inf
-    k_best, taper = np.unravel_index(int(np.argmin(land)), land.shape)
-    if taper == 0 or not land[k_best, taper] < land[-1, 0]:
+    equal = (const + size / k0 * (up + down + middle)).max() + k0 * occupy
+    best: tuple[float, int, float, int] | None = None
+    for ramp in ramps:
+        most = min(MAX_TAPER, int(math.log(MAX_SHRINK) / math.log(ramp)), (k0 - 1) // 2)
+        if most < 1:
+            continue
+        steps = np.arange(most + 1, dtype=float)
+        # piece j of a taper of s steps, over a middle one: ramp^-(s - j) for j <= s.
+        j = steps[None, :]
+        rel = np.where(j <= steps[:, None], ramp ** (j - steps[:, None]), 0.0)  # (s, j)
+        before = np.cumsum(rel, axis=1) - rel
+        valid = (j <= steps[:, None])[..., None]
+        fills = (
+            _end_fill(rel, before, valid, up[0], up_gap[0])
+            + _end_fill(rel, before, valid, down[0], down_gap[0])
+            + middle[0]
+        )  # (s, route)
+        weight = ks - 2 * steps + 2 * np.concatenate(([0.0], np.cumsum(ramp ** -steps[1:])))
+        mid = size / weight[..., None]  # (k, s, route)
+        land = (const + mid * fills[None]).max(axis=2) + ks * occupy  # (k, s)
+        end = mid.min(axis=2) * ramp**-steps
+        land[(2 * steps[None, :] + 1 > ks) | (end < MIN_END_BYTES)] = np.inf
+        land[:, 0] = np.inf  # equal pieces: `equal` above
+        k_at, taper = np.unravel_index(int(np.argmin(land)), land.shape)
+        if best is None or land[k_at, taper] < best[0]:
+            best = (float(land[k_at, taper]), int(taper), ramp, int(ks[k_at, 0]))
+    if best is None or not best[0] < equal:
         return None
-    return int(taper), ramp, int(ks[k_best, 0])
+    return best[1], best[2], best[3], equal - best[0]
 
 
-def taper_trees(table: LinkTable, hops: Sequence[Hop]) -> list[Hop] | None:
+def taper_trees(table: LinkTable, hops: Sequence[Hop]) -> tuple[list[Hop], list[float]] | None:
     """`hops` (already in their piece counts) with each tree that the closed form says
-    gains from it cut into tapered pieces (`tree_taper`); None when none does."""
+    gains from it cut into tapered pieces (`tree_taper`), and per hop the seconds its tree
+    is expected to gain; None when no tree gains."""
     costs = table.hop_costs(hops)
     out = list(hops)
-    changed = False
+    gains = [0.0] * len(hops)
     for members in trees_of(hops).values():
         shape = tree_taper(hops, costs, members)
         if shape is None:
             continue
-        taper, ramp, chunks = shape
+        taper, ramp, chunks, gain = shape
         for i in members:
             out[i] = replace(
                 hops[i], chunks=max(1, min(chunks, hops[i].num_bytes or 1)), taper=taper, ramp=ramp
             )
-        changed = True
-    return out if changed else None
+            gains[i] = gain
+    return (out, gains) if any(gains) else None
 
 
 def _renumbered(hop: Hop, position: dict[int, int]) -> Hop:

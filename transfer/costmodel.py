@@ -384,6 +384,7 @@ class LinkTable:
     ) -> list[tuple[float, float]]:
         """(start of first piece, arrival of last piece) per hop, as a piece dataflow."""
         done: list[list[float]] = []  # per hop, arrival time of each piece
+        bounds_of: list[list[tuple[int, int]]] = []  # per hop, its pieces
         spans: list[tuple[float, float]] = []
         stage_end: dict[int, float] = {}
         for index, (hop, cost) in enumerate(zip(hops, costs, strict=True)):
@@ -393,36 +394,51 @@ class LinkTable:
                 raise ValueError("hops must be listed in stage order")
             # A stage is a round barrier: it starts when all earlier rounds are done.
             start = max((end for s, end in stage_end.items() if s < hop.stage), default=0.0)
-            parent = hops[hop.after] if hop.after is not None else None
-            parent_done = done[hop.after] if hop.after is not None else None
-            parent_ends = [e for _, e in parent.chunk_bounds()] if parent else []
-            pieces: list[float] = []
-            free = start + self.per_hop_s
-            first = None
+            bounds = hop.chunk_bounds()
+            bounds_of.append(bounds)
             beta = cost.bandwidth_Bps * bandwidth_scale
-            cursor = 0
             if hop.num_bytes and not beta > 0:
                 raise ValueError(f"hop {index} has no usable bandwidth")
-            for lo, hi in hop.chunk_bounds():
-                ready = start
-                if parent is not None and parent_done is not None:
-                    if not (
-                        parent.offset_bytes <= lo and hi <= parent.offset_bytes + parent.num_bytes
-                    ):
-                        raise ValueError(f"hop {index} forwards bytes its parent does not get")
-                    # The piece is ready once the parent piece holding its last byte is in.
-                    while parent_ends[cursor] < hi:
-                        cursor += 1
-                    ready = max(ready, parent_done[cursor])
-                begin = max(free, ready)
-                first = begin if first is None else first
-                free = begin + cost.occupy_s + (hi - lo) / beta
-                pieces.append(free + cost.delay_s)
+            ready: Sequence[float] = [start] * len(bounds)
+            if hop.after is not None and bounds:
+                parent = hops[hop.after]
+                lo, hi = bounds[0][0], bounds[-1][1]  # the pieces tile [lo, hi) in order
+                if not (parent.offset_bytes <= lo and hi <= parent.offset_bytes + parent.num_bytes):
+                    raise ValueError(f"hop {index} forwards bytes its parent does not get")
+                ready = self._ready(bounds, bounds_of[hop.after], done[hop.after], start)
+            pieces: list[float] = []
+            free = start + self.per_hop_s
+            first = max(free, ready[0]) if bounds else None
+            occupy, delay = cost.occupy_s, cost.delay_s
+            for (lo, hi), at in zip(bounds, ready, strict=True):
+                begin = free if free >= at else at
+                free = begin + occupy + (hi - lo) / beta
+                pieces.append(free + delay)
             done.append(pieces)
             end = pieces[-1] if pieces else free
             spans.append((start if first is None else first, end))
             stage_end[hop.stage] = max(stage_end.get(hop.stage, 0.0), end)
         return spans
+
+    @staticmethod
+    def _ready(
+        bounds: Sequence[tuple[int, int]],
+        parent_bounds: Sequence[tuple[int, int]],
+        parent_done: Sequence[float],
+        start: float,
+    ) -> list[float]:
+        """When each piece is at the sender: once the parent's piece holding its last
+        byte is in (and not before its round starts)."""
+        if bounds == parent_bounds:  # the usual case: a tree forwards its parent's pieces
+            return [at if at > start else start for at in parent_done]
+        out = []
+        cursor = 0
+        for _, hi in bounds:
+            while parent_bounds[cursor][1] < hi:
+                cursor += 1
+            at = parent_done[cursor]
+            out.append(at if at > start else start)
+        return out
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:

@@ -97,21 +97,15 @@ def chunk_bounds(
     `ramp` per step toward the ends (`taper_weights`), the middle ones equal: bytes in
     proportion to integer weights, boundaries by integer division."""
     if taper <= 0 or ramp <= 1.0 or chunks < 3:
-        return [
-            (offset + c * length // chunks, offset + (c + 1) * length // chunks)
-            for c in range(chunks)
-        ]
+        edges = [offset + c * length // chunks for c in range(chunks + 1)]
+        return list(itertools.pairwise(edges))
     ends = taper_weights(taper, ramp)
-    weights = [
-        ends[depth] if depth < taper else WEIGHT_UNIT
-        for depth in (min(c, chunks - 1 - c) for c in range(chunks))
-    ]
+    if 2 * taper <= chunks:
+        weights = [*ends, *[WEIGHT_UNIT] * (chunks - 2 * taper), *ends[::-1]]
+    else:  # the two tapers meet: each piece takes the weight of its nearer end
+        weights = [ends[min(c, chunks - 1 - c)] for c in range(chunks)]
     total = sum(weights)
-    edges = [offset]
-    cumulative = 0
-    for weight in weights:
-        cumulative += weight
-        edges.append(offset + cumulative * length // total)
+    edges = [offset + c * length // total for c in itertools.accumulate(weights, initial=0)]
     return list(itertools.pairwise(edges))
 
 

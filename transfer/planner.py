@@ -52,8 +52,6 @@ _PRESET_GPU = re.compile(r"n(\d+)\.gpu(\d+)")
 # Re-weightings of a gather's or scatter's flow tried after the plain one (each is a few
 # max flows and one pricing).
 REWEIGHT_ROUNDS = 3
-# Rounds with tapered pieces after those (`_packed_plans`): the taper, and one rebalancing.
-TAPER_ROUNDS = 2
 # Packed trees need n^2 hops; past this many destinations they cost more to price than
 # they can gain over a chain.
 MAX_PACKED_DESTINATIONS = 16
@@ -428,21 +426,26 @@ class Planner:
             if shares is None or len(shape.trees) == 1:
                 break
         # The fastest try again with tapered pieces in the trees that gain from them (a
-        # closed form per tree, `alg.taper_trees`), and rebalanced once more, since the
-        # tapered trees now finish sooner than the others: two more evaluations at most.
-        hops = min(tries, key=lambda t: max(t[1]))[0]
-        for _ in range(TAPER_ROUNDS):
-            tapered = alg.taper_trees(self.links, hops)
-            if tapered is None:
-                break
-            finish = self.links.finish_times(tapered)
-            plans.append(self._packed_plan(name, sources, targets, num_bytes, tapered, finish))
-            shares = _balanced_shares(shape, tapered, finish, num_bytes)
-            if shares is None or len(shape.trees) == 1:
-                break
-            hops = work_conserving(self.links, shape.hops(num_bytes, shares))
-            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-            hops = alg.chunks_per_tree(self.links, hops, cap)
+        # closed form per tree, `alg.taper_trees`), rebalanced by the gains the form
+        # expects (the tapered trees now finish sooner than the others): one evaluation.
+        hops, finish = min(tries, key=lambda t: max(t[1]))
+        tapered = alg.taper_trees(self.links, hops)
+        if tapered is None:
+            return plans
+        hops, gains = tapered
+        guess = [f - g for f, g in zip(finish, gains, strict=True)]
+        shares = _balanced_shares(shape, hops, guess, num_bytes)
+        if shares is not None and len(shape.trees) > 1:
+            even = work_conserving(self.links, shape.hops(num_bytes, shares))
+            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(even))))
+            again = alg.taper_trees(self.links, alg.chunks_per_tree(self.links, even, cap))
+            if again is not None:
+                hops = again[0]
+        plans.append(
+            self._packed_plan(
+                name, sources, targets, num_bytes, hops, self.links.finish_times(hops)
+            )
+        )
         return plans
 
     @staticmethod
