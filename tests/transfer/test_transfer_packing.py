@@ -146,8 +146,9 @@ def test_several_holders_raise_the_bound() -> None:
 @pytest.mark.parametrize(
     ("nodes", "dsts", "within"),
     [
-        (2, [f"n{h}.gpu{g}" for h in range(2) for g in range(8)][1:], 1.16),
-        (4, [f"n{h}.gpu{g}" for h in range(4) for g in range(8)][1:], 1.25),
+        # Tapered pieces bring these from 1.158 and 1.243 (equal pieces) to 1.126, 1.227.
+        (2, [f"n{h}.gpu{g}" for h in range(2) for g in range(8)][1:], 1.135),
+        (4, [f"n{h}.gpu{g}" for h in range(4) for g in range(8)][1:], 1.235),
         (1, [f"n0.gpu{g}" for g in range(1, 8)], 1.18),
     ],
 )
