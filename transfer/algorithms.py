@@ -133,6 +133,7 @@ MAX_SHRINK = 16.0
 MIN_END_BYTES = 4096
 MAX_TAPER = 32
 MAX_RAMPS = 4
+KEEP_PIECES = (0.6, 0.7, 0.8, 0.9, 1.0)  # shares of a tree's piece count tried
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,13 @@ def _route(rates: Sequence[float], size: float, const: float) -> _Route:
     )
 
 
-def _end_fill(
-    rel: np.ndarray, before: np.ndarray, valid: np.ndarray, width: np.ndarray, gap: np.ndarray
-) -> np.ndarray:
+def _end_fill(shrink: np.ndarray, ramp: float, width: np.ndarray, gap: np.ndarray) -> np.ndarray:
     """Per (taper, route), over a middle piece's bytes: the longest path's cost at one end,
-    max over j of m_j * width - gap * (m_0 + ... + m_{j-1})."""
-    cost = rel[..., None] * width - before[..., None] * gap  # (taper, j, route)
-    fill: np.ndarray = np.where(valid, cost, -np.inf).max(axis=1)
+    max over j of m_j * width - gap * (m_0 + ... + m_{j-1}) with m_j = ramp^-(s - j)
+    for j <= s. That is r^-s * (r^j * (width - gap / (r - 1)) + gap / (r - 1)), monotone
+    in j, so the larger of j = 0 (the end piece crosses) and j = s (a middle one does)."""
+    s = shrink[:, None]  # ramp^-taper
+    fill: np.ndarray = np.maximum(s * width, width - gap * (1 - s) / (ramp - 1))
     return fill
 
 
@@ -193,7 +194,8 @@ def tree_taper(
     ramp = 1 + g / U keeps that max at j = 0 (the end piece): that is the ramp tried for
     each side of each route (at most MAX_RAMPS of them). With m_mid = N / W,
     W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), the tree's slowest route is
-    minimised over k and taper at once, against equal pieces at the tree's own count."""
+    minimised over k (a few counts up to the tree's own) and taper at once, against equal
+    pieces at the tree's own count."""
     first = hops[members[0]]
     if len(members) < 2 or first.chunks < 3:
         return None
@@ -225,7 +227,9 @@ def tree_taper(
     size, const, up, up_gap, down, down_gap, middle = columns[:, None, None, :]
     occupy = max(costs[i].occupy_s for i in members)
     k0 = first.chunks
-    ks = np.arange(3, k0 + 1, dtype=float)[:, None]
+    # Piece counts tried: the tree's own and down to 60% of it (tapered pieces need less
+    # pipelining), a handful rather than every count, as the planner runs at decision time.
+    ks = np.unique(np.maximum(3, np.round(k0 * np.array(KEEP_PIECES))))[:, None]
     equal = (const + size / k0 * (up + down + middle)).max() + k0 * occupy
     best: tuple[float, int, float, int] | None = None
     for ramp in ramps:
@@ -233,20 +237,16 @@ def tree_taper(
         if most < 1:
             continue
         steps = np.arange(most + 1, dtype=float)
-        # piece j of a taper of s steps, over a middle one: ramp^-(s - j) for j <= s.
-        j = steps[None, :]
-        rel = np.where(j <= steps[:, None], ramp ** (j - steps[:, None]), 0.0)  # (s, j)
-        before = np.cumsum(rel, axis=1) - rel
-        valid = (j <= steps[:, None])[..., None]
+        shrink = ramp**-steps
         fills = (
-            _end_fill(rel, before, valid, up[0], up_gap[0])
-            + _end_fill(rel, before, valid, down[0], down_gap[0])
+            _end_fill(shrink, ramp, up[0], up_gap[0])
+            + _end_fill(shrink, ramp, down[0], down_gap[0])
             + middle[0]
         )  # (s, route)
-        weight = ks - 2 * steps + 2 * np.concatenate(([0.0], np.cumsum(ramp ** -steps[1:])))
+        weight = ks - 2 * steps + 2 * np.concatenate(([0.0], np.cumsum(shrink[1:])))
         mid = size / weight[..., None]  # (k, s, route)
         land = (const + mid * fills[None]).max(axis=2) + ks * occupy  # (k, s)
-        end = mid.min(axis=2) * ramp**-steps
+        end = mid.min(axis=2) * shrink
         land[(2 * steps[None, :] + 1 > ks) | (end < MIN_END_BYTES)] = np.inf
         land[:, 0] = np.inf  # equal pieces: `equal` above
         k_at, taper = np.unravel_index(int(np.argmin(land)), land.shape)

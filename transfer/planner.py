@@ -380,7 +380,8 @@ class Planner:
             return []
         self.plans_computed += 1
         # All trees (the bandwidth bound), and the widest tree alone (fewer messages,
-        # for sizes where the per-piece cost outweighs the extra rate).
+        # for sizes where the per-piece cost outweighs the extra rate, so not tapered:
+        # tapering pays where pieces are many).
         return [
             p
             for trees in {packing.trees, packing.trees[:1]}
@@ -390,6 +391,7 @@ class Planner:
                 sources,
                 targets,
                 num_bytes,
+                taper=trees == packing.trees,
             )
         ]
 
@@ -408,10 +410,13 @@ class Planner:
         sources: tuple[str, ...],
         targets: tuple[str, ...],
         num_bytes: int,
+        *,
+        taper: bool = True,
     ) -> list[TransferPlan]:
         """A packing's trees as plans: hops at their share of each link, each tree in its
         own piece count, and up to `REWEIGHT_ROUNDS` rebalancings of the bytes per tree
-        so that deep trees carry fewer and all finish together (every try kept)."""
+        so that deep trees carry fewer and all finish together (every try kept); with
+        `taper`, the best of those again in tapered pieces."""
         plans = []
         tries: list[tuple[list[Hop], list[float]]] = []
         shares: list[float] | None = None
@@ -429,7 +434,7 @@ class Planner:
         # closed form per tree, `alg.taper_trees`), rebalanced by the gains the form
         # expects (the tapered trees now finish sooner than the others): one evaluation.
         hops, finish = min(tries, key=lambda t: max(t[1]))
-        tapered = alg.taper_trees(self.links, hops)
+        tapered = alg.taper_trees(self.links, hops) if taper else None
         if tapered is None:
             return plans
         hops, gains = tapered
