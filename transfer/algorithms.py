@@ -261,6 +261,8 @@ def taper_trees(table: LinkTable, hops: Sequence[Hop]) -> tuple[list[Hop], list[
     """`hops` (already in their piece counts) with each tree that the closed form says
     gains from it cut into tapered pieces (`tree_taper`), and per hop the seconds its tree
     is expected to gain; None when no tree gains."""
+    if all(h.chunks < 3 for h in hops):
+        return None  # nothing to taper: a small transfer's few pieces
     costs = table.hop_costs(hops)
     out = list(hops)
     gains = [0.0] * len(hops)
