@@ -186,16 +186,16 @@ def tree_taper(
     cells, each cell a piece's time on a hop (o + m / beta_h), plus its delays. With equal
     pieces of m bytes that is N / b + m * (sum of 1 / beta_h over the hops but the
     bottleneck) + fixed costs: the faster hops cost a whole piece each (the fill). With
-    pieces m_0 <= m_1 <= ... growing from the front, the path may cross the U = sum
-    1 / beta_h of the hops before the bottleneck on piece j, having carried the pieces
-    before j on the slowest of them (1 / b - g per byte less than on the bottleneck):
-    max over j of m_j * U - g * (m_0 + ... + m_{j-1}); the same for the tail after the
-    bottleneck; hops between two at the bottleneck's rate pay a middle piece. Growth by
-    ramp = 1 + g / U keeps that max at j = 0 (the end piece): that is the ramp tried for
-    each side of each route (at most MAX_RAMPS of them). With m_mid = N / W,
-    W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), the tree's slowest route is
-    minimised over k (a few counts up to the tree's own) and taper at once, against equal
-    pieces at the tree's own count."""
+    pieces m_0 <= m_1 <= ... growing from the front, the path may cross the hops before
+    the bottleneck (U = the sum of their 1 / beta_h) on piece j, having carried the
+    pieces before j on the slowest of them, g = 1 / b - 1 / beta_slowest per byte less
+    than the bottleneck takes: max over j of m_j * U - g * (m_0 + ... + m_{j-1}). The same
+    holds for the tail after the bottleneck; hops between two at the bottleneck's rate
+    pay a middle piece. Growth by ramp = 1 + g / U keeps that max at j = 0 (the end
+    piece): that is the ramp tried for each side of each route (at most MAX_RAMPS). With
+    m_mid = N / W, W = k - 2 * taper + 2 * sum(ramp^-i, i = 1..taper), the tree's slowest
+    route is minimised over k (a few counts up to the tree's own) and taper at once,
+    against equal pieces at the tree's own count."""
     first = hops[members[0]]
     if len(members) < 2 or first.chunks < 3:
         return None

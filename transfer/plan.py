@@ -19,9 +19,9 @@ class Hop:
     per step toward the ends (a small first piece starts the next hop of a tree sooner, a
     small last one ends it sooner: less pipeline fill for the same piece count). `after`
     is the index of the hop that delivers this range to `src` (None when `src` holds it
-    from the start); a piece is forwarded as soon as it has arrived, so a
-    chain pipelines. Hops of a later `stage` start only when every hop of the earlier
-    stages is done (a round barrier, as in a binomial tree).
+    from the start); a piece is forwarded as soon as it has arrived, so a chain
+    pipelines. Hops of a later `stage` start only when every hop of the earlier stages is
+    done (a round barrier, as in a binomial tree).
     """
 
     src: str
