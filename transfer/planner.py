@@ -105,7 +105,7 @@ class Planner:
         # Octave prices per link-table state (`LinkTable.state`), the few most recent
         # states kept: reservations come and go with every transfer, and prices made at
         # an idle table stay good for the next idle moment.
-        self._memos: dict[Hashable, dict[tuple[str, frozenset[str], int], Octave]] = {}
+        self._memos: dict[Hashable, dict[tuple[str, str | frozenset[str], int], Octave]] = {}
         # On hosts wired alike and a link table still as built (no load, no learned
         # speed), one GPU pair's octave price stands for every pair of its class.
         self.by_symmetry = by_symmetry and topology.hosts_alike
@@ -536,10 +536,13 @@ class Planner:
                 del self._memos[next(iter(self._memos))]  # the oldest state
             memo = self._memos[state] = {}
         octave = num_bytes.bit_length()
-        key = (src, frozenset((dsts,) if isinstance(dsts, str) else dsts), octave)
+        # One destination (the router's every quote) is keyed by its name: no set built.
+        one = dsts if isinstance(dsts, str) else dsts[0] if len(dsts) == 1 else None
+        key = (src, one if one is not None else frozenset(dsts), octave)
         entry = memo.get(key)
         if entry is None:
-            klass = self._symmetry_class(src, key[1], octave)
+            group = frozenset((one,)) if one is not None else frozenset(dsts)
+            klass = self._symmetry_class(src, group, octave)
             if klass is not None:
                 entry = self._class_memo.get(klass)
             if entry is None:
