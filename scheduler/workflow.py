@@ -215,9 +215,10 @@ class Workflow:
         return [n for n in self._order if not self.nodes[n].parents]
 
     def children(self, node_id: str) -> list[str]:
-        return list(self._children_of(node_id))
+        return list(self.child_ids(node_id))
 
-    def _children_of(self, node_id: str) -> tuple[str, ...]:
+    def child_ids(self, node_id: str) -> tuple[str, ...]:
+        """`children`, as the tuple kept for the node (made at its first asking)."""
         have = self._children.get(node_id)
         if have is None:
             have = self._children[node_id] = tuple(self.graph.successors(node_id))
@@ -226,7 +227,7 @@ class Workflow:
     def ready_children(self, node_id: str, finished: Callable[[str], bool]) -> list[str]:
         """Children of `node_id` whose parents have all `finished`."""
         nodes = self.nodes
-        return [c for c in self._children_of(node_id) if all(map(finished, nodes[c].parents))]
+        return [c for c in self.child_ids(node_id) if all(map(finished, nodes[c].parents))]
 
     def context_readers(self, node_id: str) -> tuple[str, ...]:
         """Nodes whose prompt extends this node's whole context (`ContextOf`): the
