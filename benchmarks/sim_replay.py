@@ -424,7 +424,12 @@ class SimReplay:
                     core = engines[slot]
                     self._macro.discard(slot)
                     out = core.complete_step(now)
-                    dispatch.on_stats(slot, core.stats())
+                    # (what `dispatch.on_stats(slot, core.stats())` reads, without the
+                    # report built: one an engine step)
+                    kv = core.kv
+                    dispatch.on_load(
+                        slot, len(core.running), core.num_waiting, kv.usage, kv.num_blocks
+                    )
                     for req in out.first_tokens:
                         dispatch.on_first_token(req.request_id)
                     for req in out.finished:

@@ -43,6 +43,17 @@ class AppShapes:
         self.alpha = alpha
         self.max_roles = max_roles
         self._roles: OrderedDict[tuple[str, str], RoleStats] = OrderedDict()
+        # Node id -> its role (`role_of`, a regex substitution), as a workflow's node ids
+        # recur in every run of its app; bounded like the roles.
+        self._role: dict[str, str] = {}
+
+    def _role_of(self, node_id: str) -> str:
+        role = self._role.get(node_id)
+        if role is None:
+            if len(self._role) >= self.max_roles:
+                self._role.clear()
+            role = self._role[node_id] = role_of(node_id)
+        return role
 
     def observe(self, wf: WorkflowState) -> None:
         """Learn from a finished workflow (called when the registry closes it)."""
@@ -53,7 +64,7 @@ class AppShapes:
         remaining = _remaining_alone(wf, end)
         for node_id, rem in remaining.items():
             ns = wf.nodes[node_id]
-            key = (wf.app, role_of(node_id))
+            key = (wf.app, self._role_of(node_id))
             reused = 1.0 if ns.context_reused else 0.0
             st = self._roles.get(key)
             if st is None:
@@ -67,11 +78,11 @@ class AppShapes:
                 self._roles.move_to_end(key)
 
     def remaining_s(self, app: str, node_id: str) -> float | None:
-        st = self._roles.get((app, role_of(node_id)))
+        st = self._roles.get((app, self._role_of(node_id)))
         return None if st is None else st.remaining_s
 
     def context_reused(self, app: str, node_id: str) -> bool:
-        st = self._roles.get((app, role_of(node_id)))
+        st = self._roles.get((app, self._role_of(node_id)))
         return st is not None and st.reused >= 0.5
 
     def __len__(self) -> int:

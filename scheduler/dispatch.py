@@ -159,6 +159,12 @@ class Dispatcher:
     def on_stats(self, slot: int, stats: EngineStats) -> None:
         self.ctx.state.on_stats(slot, stats)
 
+    def on_load(
+        self, slot: int, running: int, waiting: int, kv_usage: float, num_kv_blocks: int
+    ) -> None:
+        """`on_stats` given the fields the cluster state reads, without an `EngineStats`."""
+        self.ctx.state.on_load(slot, running, waiting, kv_usage, num_kv_blocks)
+
     def on_first_token(self, request_id: str) -> None:
         self.router.on_first_token(request_id)
 

@@ -43,6 +43,8 @@ class DeviceMappedPricer:
 
     def estimate_s(self, src: str, dsts: Sequence[str], num_bytes: int) -> float:
         dev = self.devices
+        if len(dsts) == 1:  # the common case, without a list built for it
+            return self.inner.estimate_s(dev[src], (dev[dsts[0]],), num_bytes)
         return self.inner.estimate_s(dev[src], [dev[d] for d in dsts], num_bytes)
 
 

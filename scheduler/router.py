@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import replace
 
 from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from wasma.core.profile import Profile
 from wasma.scheduler.policy import (
     Placement,
     PlacementKind,
@@ -23,6 +24,8 @@ from wasma.scheduler.state import Charge
 
 
 class Router:
+    MAX_SHAPES = 100_000  # request shapes whose idle-engine latency is kept
+
     def __init__(self, ctx: PolicyContext, policy: Policy, keep_decisions: int = 1_000_000):
         self.ctx = ctx
         self.policy = policy
@@ -32,6 +35,8 @@ class Router:
         # Retentions to end once their readers started; drivers send the keys with the
         # next request they place on that engine (`retention.take`).
         self.retention = RetentionTracker()
+        self._alone: dict[tuple[int, int], float] = {}
+        self._alone_profile: Profile | None = None
 
     def route(self, req: RequestInfo, now: float, force: bool = False) -> Placement:
         """The policy's placement for `req`, charged to its engine, unless the policy
@@ -76,10 +81,11 @@ class Router:
                 now,
                 tr.broadcast,
             )
-        hashes = tuple(req.block_hashes)
-        if hashes and self.policy.reads_inflight:
-            self._inflight[req.request_id] = (name, hashes)
-            self.ctx.inflight.apply(BlockStored(name, hashes, None))
+        if self.policy.reads_inflight:
+            hashes = tuple(req.block_hashes)
+            if hashes:
+                self._inflight[req.request_id] = (name, hashes)
+                self.ctx.inflight.apply(BlockStored(name, hashes, None))
         extends = self.ctx.workflows.mark_submitted(
             req.workflow_id,
             req.node_id,
@@ -87,7 +93,7 @@ class Router:
             now,
             req.block_hashes,
             req.parents,
-            self.ctx.profile.request_alone_s(req.prompt_tokens, req.max_tokens),
+            self._alone_s(req.prompt_tokens, req.max_tokens),
         )
         wst = self.ctx.workflows.get(req.workflow_id)
         self.retention.placed(
@@ -100,6 +106,19 @@ class Router:
             extends,
         )
         return placement
+
+    def _alone_s(self, prompt_tokens: int, max_tokens: int) -> float:
+        """`profile.request_alone_s` (a loop over prefill chunks), kept per request shape
+        and profile: the apps' nodes repeat a few shapes."""
+        profile = self.ctx.profile
+        if profile is not self._alone_profile or len(self._alone) >= self.MAX_SHAPES:
+            self._alone.clear()
+            self._alone_profile = profile
+        key = (prompt_tokens, max_tokens)
+        alone = self._alone.get(key)
+        if alone is None:
+            alone = self._alone[key] = profile.request_alone_s(prompt_tokens, max_tokens)
+        return alone
 
     def on_kv_event(self, event: KVEvent) -> None:
         # An engine's CPU tier (vLLM's offloading, medium "CPU") is indexed apart from

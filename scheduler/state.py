@@ -118,11 +118,20 @@ class ClusterState:
         load.pending_decode_tokens -= charge.decode_tokens
 
     def on_stats(self, slot: int, stats: EngineStats) -> None:
+        self.on_load(
+            slot, stats.num_running, stats.num_waiting, stats.kv_usage, stats.num_kv_blocks
+        )
+
+    def on_load(
+        self, slot: int, running: int, waiting: int, kv_usage: float, num_kv_blocks: int
+    ) -> None:
+        """The part of an engine's stats the load reads (`on_stats` without the report
+        built: the simulator reports after every engine step)."""
         load = self.loads[slot]
-        load.reported_running = stats.num_running
-        load.reported_waiting = stats.num_waiting
-        load.reported_kv_usage = stats.kv_usage
-        load.num_kv_blocks = stats.num_kv_blocks
+        load.reported_running = running
+        load.reported_waiting = waiting
+        load.reported_kv_usage = kv_usage
+        load.num_kv_blocks = num_kv_blocks
 
     def set_healthy(self, slot: int, healthy: bool) -> None:
         self.loads[slot].healthy = healthy

@@ -96,6 +96,10 @@ class Workflow:
     # policy's lookahead reads it without building the prompt's pieces.
     _prompt_tokens: dict[str, int] = field(default_factory=dict, repr=False)
     _readers: dict[str, tuple[str, ...]] | None = field(default=None, repr=False)
+    # Each node's children (graph order) and output piece, made once: every finish asks
+    # for the children, every reader of an output for its piece (a stream id's hash).
+    _children: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _outputs: dict[str, Piece] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -211,11 +215,19 @@ class Workflow:
         return [n for n in self._order if not self.nodes[n].parents]
 
     def children(self, node_id: str) -> list[str]:
-        return list(self.graph.successors(node_id))
+        return list(self.child_ids(node_id))
+
+    def child_ids(self, node_id: str) -> tuple[str, ...]:
+        """`children`, as the tuple kept for the node (made at its first asking)."""
+        have = self._children.get(node_id)
+        if have is None:
+            have = self._children[node_id] = tuple(self.graph.successors(node_id))
+        return have
 
     def ready_children(self, node_id: str, finished: Callable[[str], bool]) -> list[str]:
         """Children of `node_id` whose parents have all `finished`."""
-        return [c for c in self.children(node_id) if all(map(finished, self.nodes[c].parents))]
+        nodes = self.nodes
+        return [c for c in self.child_ids(node_id) if all(map(finished, nodes[c].parents))]
 
     def context_readers(self, node_id: str) -> tuple[str, ...]:
         """Nodes whose prompt extends this node's whole context (`ContextOf`): the
@@ -233,9 +245,12 @@ class Workflow:
 
     # -- prompts ---------------------------------------------------------------------
     def output_piece(self, node_id: str) -> Piece:
-        return Piece(
-            stream_id("o", self.workflow_id, node_id), 0, self.nodes[node_id].output_tokens
-        )
+        have = self._outputs.get(node_id)
+        if have is None:
+            have = self._outputs[node_id] = Piece(
+                stream_id("o", self.workflow_id, node_id), 0, self.nodes[node_id].output_tokens
+            )
+        return have
 
     def prompt_span(self, node_id: str) -> Span:
         """The node's prompt as pieces of token streams. Built with an explicit stack

@@ -95,6 +95,16 @@ class WorkflowState:
                 stack.extend(wf.nodes[n].parents)
         return None
 
+    def child_unfinished(self, node_id: str) -> bool:
+        """Whether a child of `node_id` in the registered DAG has not finished."""
+        wf = self.workflow
+        if wf is None or node_id not in wf.nodes:
+            return False
+        nodes = self.nodes
+        return any(
+            (st := nodes.get(c)) is None or st.finished_s is None for c in wf.child_ids(node_id)
+        )
+
     @property
     def done(self) -> bool:
         wf = self.workflow
@@ -200,7 +210,10 @@ class WorkflowRegistry:
             return []
         st.node(node_id).finished_s = now
         ready = st.ready_children(node_id)
-        if st.done:
+        # A workflow is done once every node has finished: a child of this node still
+        # to finish (the usual case for all but the last nodes) answers that without
+        # the walk over every node.
+        if not st.child_unfinished(node_id) and st.done:
             self.close(workflow_id, now)
         return ready
 

@@ -22,6 +22,7 @@ from wasma.transfer.flows import (
 from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s, work_conserving
 from wasma.transfer.plan import Hop, Span, TransferPlan
 from wasma.transfer.rails import rail_packing
+from wasma.transfer.symmetry import pair_classes
 from wasma.transfer.topology import Topology, TopologyError
 
 ALGORITHMS = (
@@ -104,11 +105,14 @@ class Planner:
         # Octave prices per link-table state (`LinkTable.state`), the few most recent
         # states kept: reservations come and go with every transfer, and prices made at
         # an idle table stay good for the next idle moment.
-        self._memos: dict[Hashable, dict[tuple[str, frozenset[str], int], Octave]] = {}
+        self._memos: dict[Hashable, dict[tuple[str, str | frozenset[str], int], Octave]] = {}
         # On hosts wired alike and a link table still as built (no load, no learned
         # speed), one GPU pair's octave price stands for every pair of its class.
         self.by_symmetry = by_symmetry and topology.hosts_alike
         self._class_memo: dict[tuple[bool, str, str, int], Octave] = {}
+        # GPU index pairs of one host -> the first pair of their class under the preset's
+        # automorphisms (transfer/symmetry.py), found on the first price asked for.
+        self._host_pairs: dict[tuple[str, str], tuple[str, str]] | None = None
         # Per link-table state (the few most recent): the flow network, packings and
         # bounds per (holders, destinations), and finished plans per request. Keyed by
         # state, not version, so a reservation made and released keeps them.
@@ -568,10 +572,13 @@ class Planner:
                 del self._memos[next(iter(self._memos))]  # the oldest state
             memo = self._memos[state] = {}
         octave = num_bytes.bit_length()
-        key = (src, frozenset((dsts,) if isinstance(dsts, str) else dsts), octave)
+        # One destination (the router's every quote) is keyed by its name: no set built.
+        one = dsts if isinstance(dsts, str) else dsts[0] if len(dsts) == 1 else None
+        key = (src, one if one is not None else frozenset(dsts), octave)
         entry = memo.get(key)
         if entry is None:
-            klass = self._symmetry_class(src, key[1], octave)
+            group = frozenset((one,)) if one is not None else frozenset(dsts)
+            klass = self._symmetry_class(src, group, octave)
             if klass is not None:
                 entry = self._class_memo.get(klass)
             if entry is None:
@@ -598,7 +605,25 @@ class Planner:
         b = _PRESET_GPU.fullmatch(dst)
         if a is None or b is None or src == dst:
             return None
-        return (a[1] == b[1], a[2], b[2], octave)
+        if a[1] != b[1]:
+            return (False, a[2], b[2], octave)
+        # Within a host, pairs an automorphism maps onto each other are one class.
+        rep = self._pair_classes().get((a[2], b[2]))
+        if rep is None:
+            return (True, a[2], b[2], octave)
+        return (True, rep[0], rep[1], octave)
+
+    def _pair_classes(self) -> dict[tuple[str, str], tuple[str, str]]:
+        """GPU index pairs on one host -> their class's first pair (on host n0)."""
+        if self._host_pairs is None:
+            gpus = [g for g in self.topology.gpus() if _PRESET_GPU.fullmatch(g) is not None]
+            first = [g for g in gpus if g.startswith("n0.")]
+            classes = pair_classes(self.topology, "n0", first) if first else {}
+            index = {g: g[len("n0.gpu") :] for g in first}
+            self._host_pairs = {
+                (index[a], index[b]): (index[c], index[d]) for (a, b), (c, d) in classes.items()
+            }
+        return self._host_pairs
 
     def _representative(self, klass: tuple[bool, str, str, int]) -> tuple[str, str] | None:
         """The pair of a symmetry class on the first host (and the second, across)."""

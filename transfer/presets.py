@@ -64,7 +64,59 @@ def build_preset(name: str, nodes: int = 1) -> Topology:
         _add_fat_tree(builder, nodes, shape)
     topology = builder.build()
     topology.hosts_alike = True
+    topology.symmetries = _symmetries(shape, nodes)
     return topology
+
+
+def _symmetries(shape: NodeShape, nodes: int) -> list[dict[str, str]]:
+    """Swaps that map a preset onto itself, made on every host at once: two GPUs under
+    one PCIe switch; two switches of one socket, with their GPUs and NICs; two sockets,
+    with their switches. NICs that trade places trade rails (leaf switches) too. Shapes
+    where such a swap does not pair devices one to one give none for it."""
+    p, g, n, s = shape.pcie_switches, shape.gpus, shape.nics, shape.sockets
+    gpus_of = [[i for i in range(g) if i * p // g == k] for k in range(p)]
+    nics_of = [[i for i in range(n) if i * p // n == k] for k in range(p)]
+    switches_of = [[k for k in range(p) if k * s // p == c] for c in range(s)]
+
+    def block(a: int, b: int) -> list[tuple[str, str]] | None:
+        if len(gpus_of[a]) != len(gpus_of[b]) or len(nics_of[a]) != len(nics_of[b]):
+            return None
+        return [
+            (f"pcie{a}", f"pcie{b}"),
+            *((f"gpu{x}", f"gpu{y}") for x, y in zip(gpus_of[a], gpus_of[b], strict=True)),
+            *((f"nic{x}", f"nic{y}") for x, y in zip(nics_of[a], nics_of[b], strict=True)),
+        ]
+
+    swaps: list[list[tuple[str, str]]] = []
+    for on_switch in gpus_of:
+        swaps.extend([(f"gpu{x}", f"gpu{y}")] for x, y in itertools.pairwise(on_switch))
+    for on_socket in switches_of:
+        for a, b in itertools.pairwise(on_socket):
+            pairs = block(a, b)
+            if pairs is not None:
+                swaps.append(pairs)
+    for c, d in itertools.pairwise(range(s)):
+        if len(switches_of[c]) != len(switches_of[d]):
+            continue
+        pairs = [(f"cpu{c}", f"cpu{d}")]
+        for a, b in zip(switches_of[c], switches_of[d], strict=True):
+            more = block(a, b)
+            if more is None:
+                break
+            pairs.extend(more)
+        else:
+            swaps.append(pairs)
+    out = []
+    for pairs in swaps:
+        mapping: dict[str, str] = {}
+        for x, y in pairs:
+            for host in range(nodes):
+                mapping[f"n{host}.{x}"], mapping[f"n{host}.{y}"] = f"n{host}.{y}", f"n{host}.{x}"
+            if nodes > 1 and x.startswith("nic"):
+                rail_x, rail_y = f"leaf{x[3:]}", f"leaf{y[3:]}"
+                mapping[rail_x], mapping[rail_y] = rail_y, rail_x
+        out.append(mapping)
+    return out
 
 
 def _add_node(builder: TopologyBuilder, host: str, shape: NodeShape) -> None:

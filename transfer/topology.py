@@ -59,6 +59,9 @@ class Topology:
         # True when every host `n{k}` is wired alike (a preset): a GPU pair's transfer
         # price then depends only on its GPU indices and whether it shares a host.
         self.hosts_alike = False
+        # Relabellings of devices that may map the topology onto itself (declared by the
+        # presets; each is checked against the links before use, transfer/symmetry.py).
+        self.symmetries: list[dict[str, str]] = []
         self._graph = graph.copy()
         validate_graph(self._graph)
         self._graph.graph["frozen"] = True

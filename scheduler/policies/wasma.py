@@ -386,6 +386,9 @@ class Wasma(Policy):
         kv_gate = bool(p["kv_admission"])
         can_move = p["transfer"] and copies is not None and max_real > 0
         cap_limit = p["kv_headroom"]
+        headroom = float(cap_limit)
+        min_gain = p["min_transfer_gain_s"]
+        kv_bytes_per_block = self._kv_bytes_per_block
         c_pre = self._c_prefill
         attn = st.per_prefill_attn_s * req.prompt_tokens
         ext_w = p["externality"]
@@ -448,26 +451,35 @@ class Wasma(Policy):
                     if lb > best_key[0]:
                         continue
                 extra = max_real - eff
-                nbytes = extra * self._kv_bytes_per_block
-                assert copies is not None
-                t = (
-                    copies.quote(
-                        loads[holder].name, load.name, hashes, max_real, nbytes, now, broadcast
-                    ).ready_s
-                    - now
-                )
-                # The copy overlaps the request's wait in the queue; only the rest shows.
-                exposed = max(0.0, t - queued)
-                if extra * bs * (c_pre + attn) - exposed > p["min_transfer_gain_s"]:
-                    transfer = TransferOrder(holder, max_real, nbytes, t, broadcast)
-                    uncached = req.prompt_tokens - max_real * bs
-                    queued += exposed
+                saved = extra * bs * (c_pre + attn)
+                # A move gains at most the prefill of the blocks it brings (the copy's
+                # exposed time only subtracts from it): where that is no gain, the move's
+                # price cannot change the outcome and is not asked for.
+                if saved > min_gain:
+                    nbytes = extra * kv_bytes_per_block
+                    assert copies is not None
+                    t = (
+                        copies.quote(
+                            loads[holder].name, load.name, hashes, max_real, nbytes, now, broadcast
+                        ).ready_s
+                        - now
+                    )
+                    # The copy overlaps the request's wait in the queue; only the rest shows.
+                    exposed = max(0.0, t - queued)
+                    if saved - exposed > min_gain:
+                        transfer = TransferOrder(holder, max_real, nbytes, t, broadcast)
+                        uncached = req.prompt_tokens - max_real * bs
+                        queued += exposed
             prefill = uncached * (c_pre + attn)
             others = 0.0
             if load_aware:
                 if kv_gate:
                     got = max_real if transfer is not None else eff
-                    over = self._kv_over(s, req_blocks - got)
+                    # `_kv_over(s, req_blocks - got)`, inline (every engine, every request).
+                    kv_cap = load.num_kv_blocks or prof.num_kv_blocks
+                    todo = load.pending_prefill_tokens + load.pending_decode_tokens
+                    need = load.reported_kv_usage * kv_cap + todo / bs
+                    over = need + (req_blocks - got) > headroom * kv_cap
                 else:
                     cap = load.num_kv_blocks or prof.num_kv_blocks
                     over = load.active_blocks + req_blocks > cap_limit * cap

@@ -155,3 +155,12 @@ def test_registry_live_workflows() -> None:
     assert st.deadline_s == 5.0 and st.workflow is None
     assert reg.mark_finished("live", "x", 3.0) == [] and not st.done
     assert reg.mark_finished("nope", "x", 3.0) == []
+
+
+def test_on_load_sets_what_on_stats_sets() -> None:
+    a, b = ClusterState(["e0", "e1"]), ClusterState(["e0", "e1"])
+    a.on_stats(1, EngineStats(3, 4, 0.25, 900, 10, 5, num_preemptions=2))
+    b.on_load(1, 3, 4, 0.25, 900)
+    assert a.loads == b.loads
+    assert (b.loads[1].reported_running, b.loads[1].reported_waiting) == (3, 4)
+    assert (b.loads[1].reported_kv_usage, b.loads[1].num_kv_blocks) == (0.25, 900)

@@ -19,6 +19,7 @@ from wasma.scheduler.workflow import (
     Workflow,
     WorkflowError,
 )
+from wasma.scheduler.workflows import WorkflowRegistry
 
 
 def node(nid: str, parents: list[str], out: int, prompt: list[Any]) -> Node:
@@ -409,3 +410,27 @@ def test_topo_order_respects_edges() -> None:
     for n, nd in wf.nodes.items():
         for p in nd.parents:
             assert pos[p] < pos[n]
+
+
+def test_a_workflow_closes_at_its_last_finish_whatever_the_order() -> None:
+    # The registry answers "done?" from the finishing node's children where one is still
+    # to finish; the workflow must still close exactly when its last node finishes.
+    wf = Workflow.create(
+        "w",
+        "app",
+        0.0,
+        10.0,
+        [
+            Node("a", (), 5, (Unique(8),)),
+            Node("b", ("a",), 5, (Unique(8),)),
+            Node("c", ("a",), 5, (Unique(8),)),
+            Node("d", ("b",), 5, (Unique(8),)),
+        ],
+    )
+    for order in (["a", "b", "d", "c"], ["a", "c", "b", "d"]):
+        reg = WorkflowRegistry()
+        reg.register(wf, 0.0)
+        for i, node in enumerate(order):
+            assert "w" in reg.active
+            reg.mark_finished("w", node, float(i))
+        assert "w" not in reg.active and reg.finished["w"].finished_s == 3.0
