@@ -158,7 +158,9 @@ async def build_engines(cfg: ServiceConfig, profile: Profile) -> list[EngineClie
 
         async def connect(i: int, url: str) -> EngineClient:
             kv = cfg.kv_events[i] if i < len(cfg.kv_events) else None
-            eng = OpenAIEngine(names[i], url, kv_events_endpoint=kv, **dict(cfg.engine_options))
+            # The router's stall check supervises every stream it opens.
+            options = {"supervised": True, **cfg.engine_options}
+            eng = OpenAIEngine(names[i], url, kv_events_endpoint=kv, **options)
             await eng.start()
             return eng
 

@@ -548,40 +548,10 @@ class Gateway:
         rendered: Rendered,
     ) -> None:
         async def pump() -> None:
-            started = False
-            ended = False
-            first_raw = b""
-            async for piece, status in self._sse(tstream, sreq, rendered):
-                if ended:
-                    continue  # nothing follows an OpenAI stream's [DONE]
-                if not started:
-                    ctype = SSE_TYPE if status == 200 else b"application/json"
-                    headers = [
-                        (b"content-type", ctype),
-                        (b"cache-control", b"no-cache"),
-                        (b"x-wasma-engine", tstream.engine.encode()),
-                        (b"x-wasma-placement", tstream.kind.encode()),
-                    ]
-                    await send(
-                        {"type": "http.response.start", "status": status, "headers": headers}
-                    )
-                    started = True
-                if len(first_raw) < 4096:
-                    first_raw += piece
-                # The last event closes the response in the same write as its bytes.
-                ended = piece.endswith(DONE_EVENT)
-                await send({"type": "http.response.body", "body": piece, "more_body": not ended})
-            if not started:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [(b"content-type", SSE_TYPE)],
-                    }
-                )
-            if not ended:
-                await send({"type": "http.response.body", "body": b""})
-            self._remember(rendered, sreq, tstream.engine, first_raw)
+            out = _SseWriter(send, tstream)
+            await self._sse(tstream, sreq, rendered, out)
+            await out.close()
+            self._remember(rendered, sreq, tstream.engine, out.first_raw)
 
         # The pump runs in this task; a client that leaves cancels it (and so its engine
         # work) through the same disconnect watch as an opening request's.
@@ -602,10 +572,10 @@ class Gateway:
             log.warning("stream %s failed: %s", request_id, exc)
 
     async def _sse(
-        self, tstream: TokenStream, sreq: ServiceRequest, rendered: Rendered
-    ) -> AsyncIterator[tuple[bytes, int]]:
-        """(bytes, HTTP status) pieces: an engine's own answer as it sent it, or vLLM's
-        stream chunks derendered from the engine's token ids."""
+        self, tstream: TokenStream, sreq: ServiceRequest, rendered: Rendered, out: _SseWriter
+    ) -> None:
+        """Write the stream's pieces to `out`: an engine's own answer as it sent it, or
+        vLLM's stream chunks derendered from the engine's token ids."""
         answer: TokenAnswer | None = None
         n_out = 0
         cached = 0
@@ -618,7 +588,13 @@ class Gateway:
                     passed_through = True
                 if passed_through:
                     if chunk.raw:
-                        yield chunk.raw, status
+                        await out.write(chunk.raw, status)
+                    relay = getattr(tstream, "relay", None)
+                    if relay is not None and chunk.raw and not chunk.finished:
+                        # The rest, read by read, straight from the engine's reader to
+                        # the client's writer (the proxy's hot path).
+                        await relay(out.body)
+                        break
                     continue
                 if answer is None:
                     answer = TokenAnswer(self.fe, rendered, sreq.request_id)
@@ -628,19 +604,65 @@ class Gateway:
                 reason = chunk.finish_reason if chunk.finished else None
                 if chunk.token_ids or reason:
                     ids = list(chunk.token_ids)
-                    yield await answer.chunk(ids, reason, stop_reason=chunk.stop_reason), status
+                    piece = await answer.chunk(ids, reason, stop_reason=chunk.stop_reason)
+                    await out.write(piece, status)
             if answer is not None:
                 if answer.include_usage:
                     usage = (len(sreq.prompt_token_ids), n_out, cached)
-                    yield await answer.chunk([], None, usage), status
-                yield DONE_EVENT, status
+                    await out.write(await answer.chunk([], None, usage), status)
+                await out.write(DONE_EVENT, status)
         except ServiceError as exc:
             # Headers are gone already: the error travels as an SSE event, as vLLM's does.
             err = _api_error(exc, rendered.kind == "messages")
-            yield b"data: " + err.body + b"\n\n", status
-            yield DONE_EVENT, status
+            await out.write(b"data: " + err.body + b"\n\n", status)
+            await out.write(DONE_EVENT, status)
         finally:
             await tstream.aclose()
+
+
+class _SseWriter:
+    """A streamed response: its headers with the first piece (the engine and placement
+    named as they are then), each piece one write, the `[DONE]` event closing the
+    response in the same write as its bytes, nothing after it."""
+
+    __slots__ = ("_send", "_stream", "ended", "first_raw", "started")
+
+    def __init__(self, send: Send, tstream: TokenStream) -> None:
+        self._send = send
+        self._stream = tstream
+        self.started = False
+        self.ended = False
+        self.first_raw = b""  # the answer's start, for `previous_response_id`
+
+    async def write(self, piece: bytes, status: int) -> None:
+        if not self.started:
+            ctype = SSE_TYPE if status == 200 else b"application/json"
+            headers = [
+                (b"content-type", ctype),
+                (b"cache-control", b"no-cache"),
+                (b"x-wasma-engine", self._stream.engine.encode()),
+                (b"x-wasma-placement", self._stream.kind.encode()),
+            ]
+            await self._send({"type": "http.response.start", "status": status, "headers": headers})
+            self.started = True
+        await self.body(piece)
+
+    async def body(self, piece: bytes) -> None:
+        """One more piece of a response already started."""
+        if self.ended:
+            return  # nothing follows an OpenAI stream's [DONE]
+        if len(self.first_raw) < 4096:
+            self.first_raw += piece
+        self.ended = piece.endswith(DONE_EVENT)
+        await self._send({"type": "http.response.body", "body": piece, "more_body": not self.ended})
+
+    async def close(self) -> None:
+        if not self.started:
+            headers = [(b"content-type", SSE_TYPE)]
+            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+            self.started = True
+        if not self.ended:
+            await self._send({"type": "http.response.body", "body": b""})
 
 
 async def _wait_disconnect(receive: Receive) -> None:

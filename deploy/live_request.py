@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -167,6 +167,26 @@ class RouterStream:
         if chunk.finished:
             self._done = True
         return chunk
+
+    async def relay(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        """The rest of a passed-through stream whose first bytes were sent: each read of
+        the engine's bytes written as it comes, with no iterator layers between the
+        engine's reader and the client's writer (a proxied stream's hot path). Such a
+        stream is never continued elsewhere (its bytes are the engine's own answer, not
+        tokens to resume from), so a fault ends it, as in `__anext__`."""
+        service, live = self._service, self._live
+        next_chunk, on_chunk = service.runner.next_chunk, service.on_chunk
+        while not self._done:
+            try:
+                chunk = await next_chunk(live, self._gen)
+            except EngineFault as fault:
+                live.failed = True
+                raise Unavailable(str(fault), None, 1.0) from None
+            on_chunk(live, chunk)
+            if chunk.finished:
+                self._done = True
+            if chunk.raw:
+                await write(chunk.raw)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -331,6 +331,29 @@ class RouterService:
     def on_chunk(self, live: LiveRequest, chunk: TokenChunk) -> None:
         call = live.req.call
         now = self.now()
+        if (
+            chunk.raw
+            and not chunk.token_ids
+            and live.first_s is not None
+            and type(chunk) is TokenChunk
+        ):
+            # The next read of a passed-through answer under way, a proxied stream's
+            # every event: what the general path below does for it, without the checks
+            # that cannot apply (no token ids, no report, the first output seen).
+            slot = live.slot
+            if call is not None and call.stream:
+                outputs = output_events_in(chunk.raw)
+                if outputs:
+                    engine = self.engines[slot].name
+                    self.metrics.observe_inter_token(engine, now - live.last_s, outputs)
+            if chunk.num_cached_tokens:
+                live.cached = chunk.num_cached_tokens
+            live.last_s = self.health_check.progress[slot] = now
+            live.raw_sent = True
+            live.n_out = max(live.n_out, output_tokens_in(chunk.raw))
+            if chunk.finished and chunk.finish_reason != "abort":
+                self.health_check.engine_ok(slot)
+            return
         engine = self.engines[live.slot].name
         reported = chunk if isinstance(chunk, ReportedChunk) else None
         raw = bool(chunk.raw) or (reported is not None and reported.raw_seen)

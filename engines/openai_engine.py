@@ -119,6 +119,9 @@ class OpenAIView(EngineView):
     request_timeout_s: float
     tokens_api: bool | None
     max_model_len: int | None
+    # The router supervises the gateway's streams as its own (its stall check, through
+    # the channel's orders): as `OpenAIEngine.supervised`.
+    supervised: bool = False
 
     async def connect(self) -> OpenAIEngine:
         engine = OpenAIEngine(
@@ -129,6 +132,7 @@ class OpenAIView(EngineView):
             block_size=self.block_size,
             request_timeout_s=self.request_timeout_s,
             tokens_api=bool(self.tokens_api),
+            supervised=self.supervised,
         )
         engine.max_model_len = self.max_model_len
         engine.open_streams()
@@ -160,6 +164,11 @@ class OpenAIEngine(EngineClient):
         # passed through, which answers exactly as the server does; vLLM 0.32's
         # derenderer does not yet (docs/api.md, "Remote engines in token ids").
         tokens_api: bool | None = False,
+        # A caller's stall check ends a stream that waits too long (the router's does,
+        # EngineHealth.check_stalls): no socket read timeout, which aiohttp re-arms on
+        # every read of a stream (the pass-through's hot path). Unsupervised (the
+        # default), a read waits at most `request_timeout_s`.
+        supervised: bool = False,
     ) -> None:
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -187,6 +196,7 @@ class OpenAIEngine(EngineClient):
         self._use_aiohttp = transport is None
         self._aio: Any = None  # aiohttp.ClientSession, opened on the loop in start()
         self._request_timeout_s = request_timeout_s
+        self._supervised = supervised
         self._api_key = api_key
         self._headers = headers
         self._sinks: list[KVEventSink] = []
@@ -242,6 +252,7 @@ class OpenAIEngine(EngineClient):
             self._request_timeout_s,
             self.tokens_api,
             self.max_model_len,
+            self._supervised,
         )
 
     async def _offers_tokens_api(self) -> bool:
@@ -272,7 +283,9 @@ class OpenAIEngine(EngineClient):
                 keepalive_timeout=4.0,
             ),
             timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=10.0, sock_read=self._request_timeout_s
+                total=None,
+                sock_connect=10.0,
+                sock_read=None if self._supervised else self._request_timeout_s,
             ),
             # vLLM's first event echoes the whole prompt; lines are split here anyway.
             read_bufsize=1 << 16,

@@ -7,6 +7,7 @@ In-process `RouterService` tests drive `SimEngine`'s fault hooks (`kill`, `hang`
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
@@ -207,6 +208,66 @@ async def test_engines_that_look_healthy_but_fail(mode: str) -> None:
         assert not svc.ctx.state.loads[0].healthy and svc.failed == 0
     finally:
         await svc.close()
+
+
+class _CutProxy(_Faulty):
+    """A remote-style engine that answers the client's request itself (its SSE bytes
+    passed through, as `OpenAIEngine` does) and loses the connection after two events."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, "cut")
+        self.block_size = 32  # the tiny model's, as the simulated engine beside it
+        self.opened = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        assert request.call is not None and request.call.stream
+        self.opened += 1
+        yield TokenChunk(
+            (), False, raw=b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', status=200
+        )
+        await asyncio.sleep(0.01)  # a read of its own, as the next event of a live stream
+        yield TokenChunk((), False, raw=b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n')
+        await asyncio.sleep(0.01)
+        raise ConnectionError("connection reset")
+
+
+def test_a_passed_through_stream_cut_mid_answer_ends_with_an_error_event(
+    sim_frontend: Any,
+) -> None:
+    """An engine's own answer, half sent, cannot continue on another engine (its bytes
+    are not tokens to resume from): the client gets the events sent, then an error event
+    and `[DONE]`, as vLLM ends a stream that fails; nothing is resubmitted."""
+    profile = load_profile("tiny-cpu")
+    cut = _CutProxy("cut")
+    services: list[RouterService] = []
+
+    async def factory() -> RouterClient:
+        engines: list[EngineClient] = [cut, SimEngine("s0", profile, vocab_size=VOCAB_SIZE)]
+        svc = RouterService(engines, profile, RouterConfig(policy="round_robin", **FAST))
+        await svc.start()
+        services.append(svc)
+        return LocalRouterClient(svc)
+
+    body = {
+        "model": "wasma-sim",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    with ServerThread(create_app(factory, sim_frontend, GatewayConfig())) as srv:
+        resp = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+        svc = services[0]
+        assert resp.status_code == 200 and resp.headers["x-wasma-engine"] == "cut"
+        events = [e for e in resp.text.split("\n\n") if e]
+        assert events[:2] == [
+            'data: {"choices":[{"delta":{"content":"a"}}]}',
+            'data: {"choices":[{"delta":{"content":"b"}}]}',
+        ]
+        assert events[-1] == "data: [DONE]" and len(events) == 4
+        error = json.loads(events[2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "connection reset" in error["message"]
+        assert cut.opened == 1 and svc.failovers == 0
+        assert not svc.ctx.state.loads[0].healthy  # the engine's fault, on its breaker
 
 
 class _NaNStats(SimEngine):
