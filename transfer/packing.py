@@ -161,50 +161,57 @@ class FlowNetwork:
             return 0.0
         return float(nx.maximum_flow_value(graph, "*", target))
 
-    def cut_terms(self, table: LinkTable, holders: Sequence[str], dst: str) -> CutTerms:
-        """The max-flow rate to `dst` and, for two holder-to-`dst` cuts, (capacity, the
-        least latency from the cut to `dst`): the min cut nearest the holders and the
-        holders' own out-links. Each gives a lower bound (`bound_from_cuts`)."""
+    def cut_terms(
+        self, table: LinkTable, holders: Sequence[str], dsts: Sequence[str]
+    ) -> list[CutTerms]:
+        """Per destination, the max-flow rate to it and, for two holder-to-it cuts,
+        (capacity, the least latency from the cut to it): the min cut nearest the holders
+        and the holders' own out-links. Each gives a lower bound (`bound_from_cuts`)."""
         graph = self.split_graph()
         for holder in holders:
             graph.add_edge("*", self.outlet(holder))  # no capacity: unbounded
-        target = self.inlet(dst)
-        if target not in graph or "*" not in graph:
-            return 0.0, ()
         reverse = nx.DiGraph()
         reverse.add_nodes_from(graph)
-        for a, b in graph.edges:
-            if a != "*":
-                reverse.add_edge(b, a, weight=_edge_latency(table, a, b))
-        to_dst = nx.single_source_dijkstra_path_length(reverse, target)
-        # Hops start at GPUs (holders and relays): before any link, a hop's path has run
-        # at least the latency from the nearest GPU to the link's near end.
         names = nx.DiGraph()
         for a, b in graph.edges:
+            if a == "*":
+                continue
+            reverse.add_edge(b, a, weight=_edge_latency(table, a, b))
             u, v = _name(a), _name(b)
-            if a != "*" and u != v:
+            if u != v:
                 names.add_edge(u, v, weight=table.latency(u, v))
+        # Hops start at GPUs (holders and relays): before any link, a hop's path has run
+        # at least the latency from the nearest GPU to the link's near end.
         gpus = [n for n in names if table.topology.kind_of(n) == "gpu"]
         from_gpu = nx.multi_source_dijkstra_path_length(names, gpus) if gpus else {}
-        rate, (near, _) = nx.minimum_cut(graph, "*", target)
         at_holders = {"*", *(self.outlet(h) for h in holders), *(self.inlet(h) for h in holders)}
-        terms = []
-        for side in (set(near), at_holders):
-            # Only links whose far end reaches dst carry bytes that get there.
-            crossing = [
-                (a, b)
-                for a in side
-                for b in graph.successors(a)
-                if b not in side and b in to_dst and a != "*"
-            ]
-            if crossing:
-                capacity = sum(graph.edges[a, b]["capacity"] for a, b in crossing)
-                after = min(
-                    from_gpu.get(_name(a), 0.0) + _edge_latency(table, a, b) + to_dst[b]
-                    for a, b in crossing
-                )
-                terms.append((capacity, after))
-        return float(rate), tuple(terms)
+        out: list[CutTerms] = []
+        for dst in dsts:
+            target = self.inlet(dst)
+            if target not in graph or "*" not in graph:
+                out.append((0.0, ()))
+                continue
+            to_dst = nx.single_source_dijkstra_path_length(reverse, target)
+            rate, (near, _) = nx.minimum_cut(graph, "*", target)
+            terms = []
+            for side in (set(near), at_holders):
+                # Only links whose far end reaches dst carry bytes that get there.
+                crossing = [
+                    (a, b)
+                    for a in side
+                    if a != "*"
+                    for b in graph.successors(a)
+                    if b not in side and b in to_dst
+                ]
+                if crossing:
+                    capacity = sum(graph.edges[a, b]["capacity"] for a, b in crossing)
+                    after = min(
+                        from_gpu.get(_name(a), 0.0) + _edge_latency(table, a, b) + to_dst[b]
+                        for a, b in crossing
+                    )
+                    terms.append((capacity, after))
+            out.append((float(rate), tuple(terms)))
+        return out
 
     def inlet(self, node: str) -> object:
         """Where flow into `node` arrives in `split_graph`."""

@@ -362,7 +362,7 @@ class Planner:
         entry = self._bounds.get(key)
         if entry is None:
             network = self._flow_network()
-            cuts = [network.cut_terms(self.links, sources, d) for d in sorted(key[1])]
+            cuts = network.cut_terms(self.links, sources, sorted(key[1]))
             rate = min((r for r, _ in cuts), default=0.0)
             terms = tuple(t for _, found in cuts for t in found)
             entry = self._bounds[key] = (rate, terms)
