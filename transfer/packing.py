@@ -161,6 +161,58 @@ class FlowNetwork:
             return 0.0
         return float(nx.maximum_flow_value(graph, "*", target))
 
+    def cut_terms(
+        self, table: LinkTable, holders: Sequence[str], dsts: Sequence[str]
+    ) -> list[CutTerms]:
+        """Per destination, the max-flow rate to it and, for two holder-to-it cuts,
+        (capacity, the least latency from the cut to it): the min cut nearest the holders
+        and the holders' own out-links. Each gives a lower bound (`bound_from_cuts`)."""
+        graph = self.split_graph()
+        for holder in holders:
+            graph.add_edge("*", self.outlet(holder))  # no capacity: unbounded
+        reverse = nx.DiGraph()
+        reverse.add_nodes_from(graph)
+        names = nx.DiGraph()
+        for a, b in graph.edges:
+            if a == "*":
+                continue
+            reverse.add_edge(b, a, weight=_edge_latency(table, a, b))
+            u, v = _name(a), _name(b)
+            if u != v:
+                names.add_edge(u, v, weight=table.latency(u, v))
+        # Hops start at GPUs (holders and relays): before any link, a hop's path has run
+        # at least the latency from the nearest GPU to the link's near end.
+        gpus = [n for n in names if table.topology.kind_of(n) == "gpu"]
+        from_gpu = nx.multi_source_dijkstra_path_length(names, gpus) if gpus else {}
+        at_holders = {"*", *(self.outlet(h) for h in holders), *(self.inlet(h) for h in holders)}
+        out: list[CutTerms] = []
+        for dst in dsts:
+            target = self.inlet(dst)
+            if target not in graph or "*" not in graph:
+                out.append((0.0, ()))
+                continue
+            to_dst = nx.single_source_dijkstra_path_length(reverse, target)
+            rate, (near, _) = nx.minimum_cut(graph, "*", target)
+            terms = []
+            for side in (set(near), at_holders):
+                # Only links whose far end reaches dst carry bytes that get there.
+                crossing = [
+                    (a, b)
+                    for a in side
+                    if a != "*"
+                    for b in graph.successors(a)
+                    if b not in side and b in to_dst
+                ]
+                if crossing:
+                    capacity = sum(graph.edges[a, b]["capacity"] for a, b in crossing)
+                    after = min(
+                        from_gpu.get(_name(a), 0.0) + _edge_latency(table, a, b) + to_dst[b]
+                        for a, b in crossing
+                    )
+                    terms.append((capacity, after))
+            out.append((float(rate), tuple(terms)))
+        return out
+
     def inlet(self, node: str) -> object:
         """Where flow into `node` arrives in `split_graph`."""
         return ("in", node) if node in self.capacity else node
@@ -315,6 +367,44 @@ class FlowNetwork:
                     if key in left:
                         left[key] -= room * n
         return kept
+
+
+CutTerms = tuple[float, tuple[tuple[float, float], ...]]
+
+
+def _name(node: object) -> str:
+    """The device a `split_graph` node stands for."""
+    return str(node[1]) if isinstance(node, tuple) else str(node)
+
+
+def _edge_latency(table: LinkTable, a: object, b: object) -> float:
+    """A `split_graph` edge's latency: a link's, or 0 inside a split device."""
+    u, v = _name(a), _name(b)
+    return 0.0 if u == v else table.latency(u, v)
+
+
+def bound_from_cuts(
+    table: LinkTable, terms: Iterable[tuple[float, float]], num_bytes: int
+) -> float:
+    """The latest of `num_bytes / capacity + after` over the cuts, plus the fixed costs
+    every plan pays: a lower bound of `LinkTable.evaluate` for any plan whose rates fit
+    the capacities.
+
+    Why, in that model: every byte a destination gets crosses each cut between the
+    holders and it, inside some hop's piece, and the pieces on a link together move at
+    most its capacity, so the cut is crossed at most `capacity` bytes a second. A piece
+    starts no sooner than its hop's start-up (`per_hop_s`) and holds the path for its
+    share of the message cost before its bytes count, so the last byte crosses no sooner
+    than per_hop_s + occupy + bytes / capacity. That piece then lands the rest of the
+    message cost plus its path's latency later, and later hops add theirs. Its hop starts
+    at a GPU, so its path's latency is at least the least latency from any GPU to the
+    crossed link, plus the link's, plus the least from its far end on to the destination
+    (`after`). Not the least latency from a holder: a hop's pieces hold every link of
+    their path at once and pay latency after, so a relay fed late can cross the cut
+    while a hop from a holder, which pays the whole path's latency, crosses it early;
+    adding bytes / capacity to the holder's latency overstates what such a plan pays."""
+    worst = max((num_bytes / c + after for c, after in terms if c > 0), default=math.inf)
+    return table.per_hop_s + table.per_message_s + worst
 
 
 def latency_floor_s(table: LinkTable, holders: Sequence[str], dsts: Sequence[str]) -> float:

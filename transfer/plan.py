@@ -121,8 +121,9 @@ class TransferPlan:
     notes: tuple[str, ...] = field(default=())
     # Every device holding the bytes at the start (src first); empty: src alone.
     holders: tuple[str, ...] = ()
-    # The lower bound no plan beats: bytes over the max-flow (min-cut) rate to the worst
-    # destination, plus the latency floor; None where it was not computed.
+    # The lower bound no plan beats in the model plans are priced by: per destination,
+    # bytes over a min cut's rate plus the latency from that cut on (the latest over
+    # destinations), plus the fixed costs; None where it was not computed.
     bound_s: float | None = None
     # A gather: the part each holder has (empty: every holder has all the bytes).
     held: tuple[Span, ...] = ()

@@ -19,7 +19,13 @@ from wasma.transfer.flows import (
     scatter_demands,
     schedule_hops,
 )
-from wasma.transfer.packing import FlowNetwork, Packing, latency_floor_s, work_conserving
+from wasma.transfer.packing import (
+    FlowNetwork,
+    Packing,
+    bound_from_cuts,
+    latency_floor_s,
+    work_conserving,
+)
 from wasma.transfer.plan import Hop, Span, TransferPlan
 from wasma.transfer.rails import rail_packing
 from wasma.transfer.symmetry import pair_classes
@@ -58,13 +64,18 @@ REWEIGHT_ROUNDS = 3
 MAX_PACKED_DESTINATIONS = 16
 
 
+# The max-flow rate of the worst destination, and (capacity, latency after) of the cuts
+# the bound is taken over.
+_Bound = tuple[float, tuple[tuple[float, float], ...]]
+
+
 @dataclass(slots=True)
 class _StateCaches:
     """What `Planner` computed at one link-table state."""
 
     network: FlowNetwork | None
     packings: dict[tuple[tuple[str, ...], frozenset[str]], Packing | None]
-    bounds: dict[tuple[tuple[str, ...], frozenset[str]], tuple[float, float]]
+    bounds: dict[tuple[tuple[str, ...], frozenset[str]], _Bound]
     plans: dict[tuple[object, ...], TransferPlan]
 
 
@@ -121,7 +132,7 @@ class Planner:
         self._saved: dict[Hashable, _StateCaches] = {}
         self._network: FlowNetwork | None = None
         self._packings: dict[tuple[tuple[str, ...], frozenset[str]], Packing | None] = {}
-        self._bounds: dict[tuple[tuple[str, ...], frozenset[str]], tuple[float, float]] = {}
+        self._bounds: dict[tuple[tuple[str, ...], frozenset[str]], _Bound] = {}
         self._plans: dict[tuple[object, ...], TransferPlan] = {}
 
     # planning ----------------------------------------------------------------------------
@@ -312,18 +323,22 @@ class Planner:
         return tuple(spans)
 
     def bound_s(self, holders: Sequence[str], dsts: Sequence[str], num_bytes: int) -> float:
-        """No plan moves `num_bytes` from `holders` to every one of `dsts` sooner: the bytes
-        over the smallest max-flow rate to a destination, plus the latency floor."""
+        """No plan moves `num_bytes` from `holders` to every one of `dsts` sooner, in the
+        model plans are priced by: for each destination, the bytes over its min cut's
+        capacity plus the latency from that cut to it (and likewise for the holders'
+        out-links), plus the fixed costs; the latest over destinations
+        (`packing.bound_from_cuts` says why). Not the smallest rate and the largest
+        latency of different destinations together: no plan need pay both at once."""
         self._refresh()
         sources = tuple(dict.fromkeys(holders))
         targets = frozenset(d for d in dsts if d not in sources)
         if not targets or num_bytes == 0:
             return 0.0
         rate = self._rate(sources, targets)
-        floor = self._bounds[sources, targets][1]
+        terms = self._bounds[sources, targets][1]
         if not rate > 0:
             raise TopologyError(f"no working path from {', '.join(sources)} to every destination")
-        return num_bytes / rate + floor
+        return bound_from_cuts(self.links, terms, num_bytes)
 
     def packing(self, holders: Sequence[str], dsts: Sequence[str]) -> Packing | None:
         """The tree packing for this pattern (memoised until a link changes)."""
@@ -347,8 +362,10 @@ class Planner:
         entry = self._bounds.get(key)
         if entry is None:
             network = self._flow_network()
-            rate = min((network.max_flow_Bps(sources, d) for d in sorted(key[1])), default=0.0)
-            entry = self._bounds[key] = (rate, latency_floor_s(self.links, sources, list(key[1])))
+            cuts = network.cut_terms(self.links, sources, sorted(key[1]))
+            rate = min((r for r, _ in cuts), default=0.0)
+            terms = tuple(t for _, found in cuts for t in found)
+            entry = self._bounds[key] = (rate, terms)
         return entry[0]
 
     def _flow_network(self) -> FlowNetwork:

@@ -109,6 +109,8 @@ def random_sweep(seeds: int, parts: bool = False) -> dict[str, Any]:
         "median": ratios[len(ratios) // 2],
         "p90": ratios[int(0.9 * len(ratios))],
         "max": ratios[-1],
+        # A plan under its bound would mean the bound is not one (float noise aside).
+        "under_bound": sum(1 for r in ratios if r < 1 - 1e-9),
         "above_1.15": [(s, b) for r, s, b in sorted(worst, reverse=True) if r > 1.15],
     }
 
