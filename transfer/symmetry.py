@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
-from wasma.transfer.topology import Topology
+from wasma.transfer.topology import Topology, TopologyError
 
 # A relabelling of devices: device -> its image (devices it leaves alone are absent).
 Relabelling = Mapping[str, str]
@@ -22,22 +22,20 @@ Relabelling = Mapping[str, str]
 
 def is_automorphism(topology: Topology, mapping: Relabelling) -> bool:
     """Whether `mapping` is a permutation of devices that keeps every device's kind and
-    host structure and maps every link onto a link with the same bandwidth (each way),
-    latency and kind."""
-    graph = topology._graph
+    maps every link onto a link with the same bandwidth (each way), latency and kind."""
     images = set(mapping.values())
     if len(images) != len(mapping) or images != set(mapping):
         return False  # not a permutation of the devices it moves
     for name, image in mapping.items():
-        if name not in graph or image not in graph:
+        if name not in topology or image not in topology:
             return False
-        if graph.nodes[name]["kind"] != graph.nodes[image]["kind"]:
+        if topology.kind_of(name) != topology.kind_of(image):
             return False
     for link in topology.links():
-        u, v = mapping.get(link.u, link.u), mapping.get(link.v, link.v)
-        if not graph.has_edge(u, v):
-            return False
-        moved = topology.link(u, v)
+        try:
+            moved = topology.link(mapping.get(link.u, link.u), mapping.get(link.v, link.v))
+        except TopologyError:
+            return False  # mapped onto devices with no link between them
         if (moved.bandwidth_Bps, moved.back_Bps, moved.latency_s, moved.kind) != (
             link.bandwidth_Bps,
             link.back_Bps,
@@ -53,6 +51,7 @@ def pair_classes(
 ) -> dict[tuple[str, str], tuple[str, str]]:
     """For each ordered pair of distinct `gpus` (all on `host`), the first pair (in the
     order of `gpus`) of its class under the topology's checked automorphisms."""
+    assert all(topology.host_of(g) == host for g in gpus)
     checked = [m for m in topology.symmetries if is_automorphism(topology, m)]
     pairs = list(itertools.permutations(gpus, 2))
     on_host = set(gpus)
@@ -70,5 +69,4 @@ def pair_classes(
                 if image[0] in on_host and image[1] in on_host and image not in rep:
                     rep[image] = pair
                     todo.append(image)
-    assert all(topology.host_of(g) == host for g in gpus)
     return rep
