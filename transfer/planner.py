@@ -273,8 +273,7 @@ class Planner:
             if weighted is None or current is None:
                 break
             hops, owner = schedule_hops(weighted, current)
-            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-            hops = alg.chunks_per_tree(self.links, hops, cap)
+            hops = alg.chunks_per_tree(self.links, hops, self._piece_cap(len(hops)))
             finish = self.links.finish_times(hops)
             plans.append(
                 replace(
@@ -443,8 +442,7 @@ class Planner:
         shares: list[float] | None = None
         for _ in range(REWEIGHT_ROUNDS + 1):
             hops = work_conserving(self.links, shape.hops(num_bytes, shares))
-            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(hops))))
-            hops = alg.chunks_per_tree(self.links, hops, cap)
+            hops = alg.chunks_per_tree(self.links, hops, self._piece_cap(len(hops)))
             finish = self.links.finish_times(hops)
             plans.append(self._packed_plan(name, sources, targets, num_bytes, hops, finish))
             tries.append((hops, finish))
@@ -463,8 +461,8 @@ class Planner:
         shares = _balanced_shares(shape, hops, guess, num_bytes)
         if shares is not None and len(shape.trees) > 1:
             even = work_conserving(self.links, shape.hops(num_bytes, shares))
-            cap = max(1, min(self.max_chunks, MAX_PIECES // max(1, len(even))))
-            again = alg.taper_trees(self.links, alg.chunks_per_tree(self.links, even, cap))
+            cut = alg.chunks_per_tree(self.links, even, self._piece_cap(len(even)))
+            again = alg.taper_trees(self.links, cut)
             if again is not None:
                 hops = again[0]
         plans.append(
@@ -473,6 +471,10 @@ class Planner:
             )
         )
         return plans
+
+    def _piece_cap(self, num_hops: int) -> int:
+        """The most pieces a hop of a plan of `num_hops` hops may be cut into."""
+        return max(1, min(self.max_chunks, MAX_PIECES // max(1, num_hops)))
 
     @staticmethod
     def _packed_plan(
