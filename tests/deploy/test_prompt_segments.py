@@ -169,3 +169,39 @@ def test_vllm_renders_a_growing_conversation_to_the_same_ids(sim_frontend: Any) 
     finally:
         del cache.encode
     assert len(seen) == 6
+
+
+def test_segments_tokenize_with_a_copy_of_the_rust_tokenizer(bytelevel: Any) -> None:
+    """New segments go to the Rust tokenizer itself (no Python wrapper a call), a copy of
+    its own: truncation set on the shared one (as a caller that truncates leaves it)
+    does not cut the segments' ids."""
+    cache = SegmentTokens.for_tokenizer(bytelevel)
+    assert cache is not None and cache._direct is not None
+    text = "<|im_start|>the planner reads the plan<|im_end|>" * 20
+    expected = bytelevel(text, add_special_tokens=False)["input_ids"]
+    bytelevel.backend_tokenizer.enable_truncation(max_length=4)
+    try:
+        assert cache.encode(text) == expected and len(expected) > 4
+    finally:
+        bytelevel.backend_tokenizer.no_truncation()
+
+
+def test_a_tokenizer_without_a_serializable_backend_keeps_its_wrapper(bytelevel: Any) -> None:
+    class Wrapped:
+        """The same tokenizer behind a wrapper that hides its Rust backend's methods."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+            self.backend_tokenizer = type(
+                "Backend",
+                (),
+                {"get_added_tokens_decoder": inner.backend_tokenizer.get_added_tokens_decoder},
+            )()
+
+        def __call__(self, text: str, **kwargs: Any) -> Any:
+            return self.inner(text, **kwargs)
+
+    cache = SegmentTokens.for_tokenizer(Wrapped(bytelevel))
+    assert cache is not None and cache._direct is None
+    text = "<|im_start|>the plan<|im_end|>reads"
+    assert cache.encode(text) == bytelevel(text, add_special_tokens=False)["input_ids"]
