@@ -166,7 +166,48 @@ def _install_inline(renderer: Any) -> InlineWhenSmall | None:
         func = _made_async(wrapper)
         if wrapper is not None and func is not None:
             setattr(renderer, name, _settled_when_small(wrapper, func, inline.small))
+    render_async = getattr(renderer, "render_chat_async", None)
+    render_sync = getattr(renderer, "render_chat", None)
+    if callable(render_async) and callable(render_sync):
+        renderer.render_chat_async = _chat_sync_when_small(render_async, render_sync, inline.small)
     return inline
+
+
+def _chat_sync_when_small(
+    render_async: Callable[..., Any],
+    render_sync: Callable[..., Any],
+    small: contextvars.ContextVar[bool],
+) -> Callable[..., Any]:
+    """vLLM's `render_chat_async`, except that a small text-only chat is rendered by the
+    renderer's own synchronous `render_chat` (the same steps: template, tokenize,
+    engine input). The async one gathers each step's coroutines as tasks, three a chat,
+    each one more turn of the loop, which for a render already run inline buy nothing.
+    A chat with any part but text keeps the async steps: they fetch media without
+    blocking the loop."""
+
+    async def call(conversations: Any, *args: Any, **kwargs: Any) -> Any:
+        if small.get() and _text_only(conversations):
+            return render_sync(conversations, *args, **kwargs)
+        return await render_async(conversations, *args, **kwargs)
+
+    return call
+
+
+def _text_only(conversations: Any) -> bool:
+    """Every message's content is text: a string, nothing, or parts of type text."""
+    for conversation in conversations:
+        for message in conversation:
+            if not isinstance(message, dict):
+                return False
+            content = message.get("content")
+            if content is None or isinstance(content, str):
+                continue
+            if not isinstance(content, list):
+                return False
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    return False
+    return True
 
 
 # vLLM's `make_async` wrappers on its renderer (vllm/renderers/base.py, hf.py). Each

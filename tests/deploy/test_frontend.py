@@ -83,3 +83,56 @@ def test_a_small_request_renders_on_the_loop_to_the_same_ids(sim_frontend: Any) 
         del fe._inline.pool.submit
     assert threaded.token_ids == inline.token_ids == large.token_ids
     assert inline.generate[0].sampling_params == threaded.generate[0].sampling_params
+
+
+def test_a_small_text_chat_renders_without_tasks_and_media_keeps_the_async_steps(
+    sim_frontend: Any,
+) -> None:
+    """Inline, a text-only chat goes through the renderer's synchronous `render_chat`
+    (no task made for its steps) to the same ids as the async steps; a chat with an
+    image part keeps the async steps, which fetch media without blocking the loop."""
+    from wasma.deploy.api import render
+    from wasma.deploy.frontend import _text_only
+
+    fe = sim_frontend
+    parts = [{"type": "text", "text": "the planner"}, {"type": "text", "text": " reads"}]
+    body = {
+        "model": "wasma-sim",
+        "messages": [
+            {"role": "system", "content": "plan"},
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": None, "tool_calls": []},
+        ],
+        "max_tokens": 5,
+    }
+
+    async def counted(inline: bool) -> tuple[Any, int]:
+        loop = asyncio.get_running_loop()
+        made = 0
+        factory = loop.get_task_factory()
+
+        def counting(loop: Any, coro: Any, **kwargs: Any) -> Any:
+            nonlocal made
+            made += 1
+            if factory is not None:
+                return factory(loop, coro, **kwargs)
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(counting)
+        try:
+            if inline:
+                with fe.inline(200):
+                    return await render(fe, "chat", dict(body)), made
+            return await render(fe, "chat", dict(body)), made
+        finally:
+            loop.set_task_factory(factory)
+
+    threaded, tasks_threaded = asyncio.run(counted(False))
+    inline, tasks_inline = asyncio.run(counted(True))
+    assert tasks_threaded >= 3 and tasks_inline == 0
+    assert inline.token_ids == threaded.token_ids
+    assert inline.generate[0].sampling_params == threaded.generate[0].sampling_params
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}
+    assert _text_only([body["messages"]])
+    assert not _text_only([[{"role": "user", "content": [parts[0], image]}]])
+    assert not _text_only([[{"role": "user", "content": ("tuple",)}]])
