@@ -170,3 +170,22 @@ def test_run_all_returns_rows_in_the_order_of_the_specs() -> None:
     rows = LastFirst(workers=1).run_all(range(5), lambda row: seen.append(row["spec"]))
     assert seen == [4, 3, 2, 1, 0]  # progress as runs finish
     assert [row["spec"] for row in rows] == [0, 1, 2, 3, 4]
+
+
+def test_worker_trace_parses_once_and_reads_an_edited_file_again(tmp_path: Path) -> None:
+    from wasma.benchmarks.bench import worker_trace
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, generate("mapreduce", 3, 2.0, 1, PROFILE))
+    first = worker_trace(str(path))
+    assert worker_trace(str(path)) is first
+    write_trace(path, generate("mapreduce", 5, 2.0, 1, PROFILE))
+    again = worker_trace(str(path))
+    assert len(first) == 3 and len(again) == 5
+
+
+def test_runs_sharing_a_parsed_trace_give_the_same_rows(tiny_trace: str) -> None:
+    wall = ("sim_wall_s", "decision_p99_us")
+    rows = [run_one(RunSpec(tiny_trace, "wasma", 2.0, 2, "llama3-8b-h100")) for _ in range(2)]
+    a, b = ({k: v for k, v in r.items() if k not in wall} for r in rows)
+    assert a == b
