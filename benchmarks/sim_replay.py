@@ -529,7 +529,8 @@ class SimReplay:
                 at = self._expire(now, at)
                 next_due = dl[at][0] if at < len(dl) else _NEVER
                 missed = self._missed
-                if self._doomed():
+                # (a run already at its end is left to finish as a full run)
+                if self._doomed() and (i < n or heap):
                     cut_at = now
                     break
         if self._left and cut_at is None:
