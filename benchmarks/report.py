@@ -28,7 +28,8 @@ def table(results: dict[str, Any], include_sweep: bool = False) -> str:
     for trace, rows in by_trace.items():
         lines.append(f"== {trace}")
         header = [c[1] for c in COLUMNS]
-        body = [[fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in rows]
+        # (a sweep probe cut short has no metrics: its row shows its rate and "cut")
+        body = [[fmt.format(r[k]) if k in r else "cut" for k, _, fmt in COLUMNS] for r in rows]
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
         for b in body:
@@ -53,6 +54,7 @@ def plot_results(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     runs = [r for r in results["runs"] if not r.get("sweep")] or results["runs"]
+    runs = [r for r in runs if not r.get("cut_short")]  # no metrics to draw
     traces = sorted({r["trace"] for r in runs})
     written: list[Path] = []
     for metric, label, fname in (

@@ -73,6 +73,14 @@ class RunResult:
     engine_prefix_queries: int = 0
     engine_prefix_hits: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Set when the run stopped early because its deadline attainment could no longer
+    # reach `SimReplay(stop_below=...)`: `requests` and `workflows` then hold only what
+    # had finished by `cut_at_s`, and `missed` counts the units (workflows, or nodes with
+    # their own deadline) certain to miss theirs, finished or not, out of `units`.
+    cut_short: bool = False
+    cut_at_s: float = 0.0
+    missed: int = 0
+    units: int = 0
 
 
 _STEP, _READY, _WAKE = 0, 1, 2
@@ -115,6 +123,7 @@ class SimReplay:
         index_cap: int = 4_000_000,
         retain_lease_s: float = DEFAULT_RETAIN_S,
         register_dags: bool = True,
+        stop_below: float | None = None,
     ) -> None:
         if num_engines <= 0:
             raise ValueError("need at least one engine")
@@ -190,6 +199,30 @@ class SimReplay:
         self.held_total = 0
         self.records: list[RequestRecord] = []
         self.wf_records: list[WorkflowRecord] = []
+        # A capacity probe needs only its verdict (attainment >= a threshold): with
+        # `stop_below` set, the run stops as soon as so many units have missed their
+        # deadlines that attainment stays below `stop_below` whatever follows. A unit has
+        # missed once it finishes late, or once the clock passes its deadline unfinished.
+        self.stop_below = stop_below
+        self._deadlines: list[tuple[float, float, float, tuple[str, str]]] = []
+        if stop_below is not None:
+            for wf in self.workflows:
+                for nid, nd in wf.nodes.items():
+                    if nd.deadline_s is not None:
+                        assert nd.arrival_s is not None
+                        a = nd.arrival_s / rate_scale
+                        unit = (wf.workflow_id, nid)
+                        self._deadlines.append((a + nd.deadline_s, a, nd.deadline_s, unit))
+                if any(nd.deadline_s is None for nd in wf.nodes.values()):
+                    a = wf.arrival_s / rate_scale
+                    unit = (wf.workflow_id, "")
+                    self._deadlines.append((a + wf.deadline_s, a, wf.deadline_s, unit))
+            self._deadlines.sort()
+        self._units = len(self._deadlines)
+        # unit (workflow id, node id with its own deadline or "") -> True once finished,
+        # False once counted missed while unfinished
+        self._settled: dict[tuple[str, str], bool] = {}
+        self._missed = 0
 
     # -- event plumbing --------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -330,14 +363,15 @@ class SimReplay:
             # A node with its own arrival and deadline is a unit of its own (a turn of a
             # session): its record is its arrival to its last token.
             assert own.arrival_s is not None
-            self.wf_records.append(
+            self._record(
                 WorkflowRecord(
                     f"{wf.workflow_id}/{node_id}",
                     wf.app,
                     own.arrival_s / self.rate_scale,
                     own.deadline_s,
                     now,
-                )
+                ),
+                (wf.workflow_id, node_id),
             )
         ready = self.dispatch.finish(req.request_id, wf.workflow_id, node_id, now).ready
         if not self.register_dags:
@@ -354,12 +388,40 @@ class SimReplay:
             if any(n.deadline_s is None for n in wf.nodes.values()):
                 # (where every node has its own deadline, each was accounted on its own)
                 arrival = wf.arrival_s / self.rate_scale
-                self.wf_records.append(
-                    WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
-                )
+                rec = WorkflowRecord(wf.workflow_id, wf.app, arrival, wf.deadline_s, now)
+                self._record(rec, (wf.workflow_id, ""))
         for child in ready:
             self._when_due(wf, child, now)
         self._release_held(now)
+
+    def _record(self, rec: WorkflowRecord, unit: tuple[str, str]) -> None:
+        self.wf_records.append(rec)
+        # (a unit already counted when its deadline passed is not counted twice)
+        if self.stop_below is not None and self._settled.setdefault(unit, True) and not rec.met:
+            self._missed += 1
+
+    def _expire(self, now: float, at: int) -> int:
+        """Count the units whose deadline `now` has passed unfinished, from `at` in the
+        deadline order; the index of the first not yet passed."""
+        dl = self._deadlines
+        settled = self._settled
+        while at < len(dl):
+            _end, arrival, deadline, key = dl[at]
+            # `now - arrival`, as `WorkflowRecord.met` computes a latency: such a unit's
+            # finish is at least `now`, so its latency exceeds its deadline too.
+            if not now - arrival > deadline:
+                break
+            if key not in settled:
+                settled[key] = False
+                self._missed += 1
+            at += 1
+        return at
+
+    def _doomed(self) -> bool:
+        """Attainment can no longer reach `stop_below` (tested as `summarize` computes it:
+        met / units, met at most units - missed)."""
+        assert self.stop_below is not None
+        return (self._units - self._missed) / self._units < self.stop_below
 
     def _end_retention(self, rid: str, now: float) -> None:
         kept = self._retain.pop(rid, None)
@@ -409,6 +471,13 @@ class SimReplay:
         scale = self.rate_scale
         engines, dispatch = self.engines, self.dispatch
         leases = self._leases
+        # Deadline watch (only with `stop_below`): the next deadline to pass, in the order
+        # of `_deadlines`, and when.
+        at = 0
+        dl = self._deadlines
+        next_due = dl[0][0] if dl else _NEVER
+        missed = 0
+        cut_at: float | None = None
         while i < n or heap:
             next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
             if leases and leases[0][0] <= min(next_arrival, heap[0][0] if heap else next_arrival):
@@ -456,7 +525,15 @@ class SimReplay:
                 # request would wait forever. Policies should not hold for an idle
                 # cluster; this keeps a run finite (and every request completed) if one does.
                 self._release_held(now, force_first=True)
-        if self._left:
+            if now >= next_due or self._missed != missed:
+                at = self._expire(now, at)
+                next_due = dl[at][0] if at < len(dl) else _NEVER
+                missed = self._missed
+                # (a run already at its end is left to finish as a full run)
+                if self._doomed() and (i < n or heap):
+                    cut_at = now
+                    break
+        if self._left and cut_at is None:
             raise RuntimeError(f"{len(self._left)} workflows never finished (simulator bug)")
         return RunResult(
             policy=self.policy_name,
@@ -470,4 +547,8 @@ class SimReplay:
             engine_steps=sum(e.steps for e in engines),
             engine_prefix_queries=sum(e.kv.queries_tokens for e in engines),
             engine_prefix_hits=sum(e.kv.hits_tokens for e in engines),
+            cut_short=cut_at is not None,
+            cut_at_s=cut_at or 0.0,
+            missed=self._missed,
+            units=self._units,
         )

@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", default="llama3-8b-h100")
     b.add_argument("--rates", type=_float_list, default=None, help="rate scales, e.g. 1,1.5,2")
     b.add_argument("--sweep", action="store_true", help="find each policy's capacity")
+    b.add_argument(
+        "--full-probes",
+        action="store_true",
+        help="run every probe of --sweep to the end (by default a probe stops once so many "
+        "workflows missed their deadlines that it fails whatever follows; same capacities)",
+    )
     b.add_argument("--out", required=True, type=_out_dir)
     b.add_argument("--workers", type=_positive_int, default=None)
     b.add_argument(
@@ -434,6 +440,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         dags=not args.no_dags,
         topology=topology,
         cpu_tier_gib=args.cpu_tier_gib or 0.0,
+        cut_short=not args.full_probes,
     )
     print(table(results))
     print(f"results: {Path(args.out) / 'results.json'}; plots: goodput.png, p95_latency.png")

@@ -549,3 +549,20 @@ def test_an_out_that_is_a_file_fails_before_any_run(
     line = error_of(capsys, argv)
     assert "--out" in line and "not a folder" in line
     assert taken.read_text() == "a file"
+
+
+def test_bench_sweep_cuts_failing_probes_unless_full_probes(tmp_path: Path) -> None:
+    trace = tmp_path / "mr.jsonl"
+    gen_argv = ["--app", "mapreduce", "--workflows", "24", "--rate", "2", "--seed", "5"]
+    assert main(["trace", "gen", *gen_argv, "-o", str(trace)]) == 0
+    argv = ["bench", "--trace", str(trace), "--policies", "least_loaded", "--engines", "2"]
+    res = {}
+    for flag in ([], ["--full-probes"]):
+        out = tmp_path / ("full" if flag else "cut")
+        assert main([*argv, "--workers", "1", "--sweep", *flag, "--out", str(out)]) == 0
+        res[bool(flag)] = json.loads((out / "results.json").read_text())
+    assert res[True]["capacity"] == res[False]["capacity"]
+    assert not any(r.get("cut_short") for r in res[True]["runs"])
+    cut = [r for r in res[False]["runs"] if r.get("cut_short")]
+    assert cut and all("deadline_attainment" not in r for r in cut)
+    assert all(r["deadline_attainment_max"] < 0.9 for r in cut)

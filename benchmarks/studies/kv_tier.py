@@ -38,8 +38,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 def _at_capacity(runs: list[dict[str, Any]], trace: str, policy: str, scale: float) -> float:
     """The prefix-hit ratio of the sweep's run at the capacity scale (the highest passing
-    one); the lowest-rate run if none passed."""
-    rows = [r for r in runs if r["trace"] == trace and r["policy"] == policy]
+    one); if none passed, the lowest-rate run that ran to its end (a probe cut short has
+    no metrics), 0 if every one was cut."""
+    rows = [
+        r for r in runs if r["trace"] == trace and r["policy"] == policy and not r.get("cut_short")
+    ]
     at = [r for r in rows if r["rate_scale"] == scale] or sorted(
         rows, key=lambda r: r["rate_scale"]
     )[:1]
