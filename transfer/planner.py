@@ -26,8 +26,8 @@ from wasma.transfer.packing import (
     latency_floor_s,
     work_conserving,
 )
-from wasma.transfer.plan import Hop, Span, TransferPlan
-from wasma.transfer.rails import rail_packing
+from wasma.transfer.plan import Hop, Span, TransferPlan, own_links
+from wasma.transfer.rails import disjoint_chain, rail_packing
 from wasma.transfer.symmetry import pair_classes
 from wasma.transfer.topology import Topology, TopologyError
 
@@ -42,6 +42,7 @@ ALGORITHMS = (
     "hierarchical_chain",
     "flow_trees",
     "rail_trees",
+    "disjoint_chain",
 )
 PIPELINED = frozenset(
     {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain", "flow_trees"}
@@ -423,6 +424,21 @@ class Planner:
             return []
         return self._packed_plans("rail_trees", packing, (src,), targets, num_bytes)
 
+    def _chain_plans(
+        self, src: str, targets: tuple[str, ...], num_bytes: int
+    ) -> list[TransferPlan]:
+        """A chain through every destination on links its hops have to themselves
+        (`rails.disjoint_chain`), aiming at the max-flow rate."""
+        if len(targets) < 2:
+            return []
+        rate = self._rate((src,), frozenset(targets))
+        found = disjoint_chain(self.links, self._flow_network(), src, targets, rate)
+        if found is None:
+            return []
+        tree, chain_rate = found
+        shape = Packing(((tree, chain_rate),), chain_rate, rate, 0)
+        return self._packed_plans("disjoint_chain", shape, (src,), targets, num_bytes)
+
     def _packed_plans(
         self,
         name: str,
@@ -518,6 +534,9 @@ class Planner:
                 continue
             if name == "rail_trees":
                 plans.extend(self._rail_plans(src, targets, num_bytes))
+                continue
+            if name == "disjoint_chain":
+                plans.extend(self._chain_plans(src, targets, num_bytes))
                 continue
             for hops in self._build(name, src, targets, num_bytes):
                 chunks = 1
@@ -701,10 +720,10 @@ class Planner:
 
     def reserve(self, plan: TransferPlan) -> None:
         """Count a running transfer's links as busy, so plans made meanwhile share them."""
-        self.links.add_load(link for hop in plan.hops for link in hop.links())
+        self.links.add_load(link for links in own_links(plan.hops) for link in links)
 
     def release(self, plan: TransferPlan) -> None:
-        self.links.add_load((link for hop in plan.hops for link in hop.links()), count=-1)
+        self.links.add_load((link for links in own_links(plan.hops) for link in links), count=-1)
 
     # validation --------------------------------------------------------------------------
     def _check_request(
