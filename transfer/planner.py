@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from wasma.transfer import algorithms as alg
+from wasma.transfer.chains import disjoint_chain, paired_chains
 from wasma.transfer.costmodel import LinkTable
 from wasma.transfer.flows import (
     Demand,
@@ -27,7 +28,7 @@ from wasma.transfer.packing import (
     work_conserving,
 )
 from wasma.transfer.plan import Hop, Span, TransferPlan, own_links
-from wasma.transfer.rails import disjoint_chain, rail_packing
+from wasma.transfer.rails import fair_rates, rail_packing
 from wasma.transfer.symmetry import pair_classes
 from wasma.transfer.topology import Topology, TopologyError
 
@@ -43,6 +44,7 @@ ALGORITHMS = (
     "flow_trees",
     "rail_trees",
     "disjoint_chain",
+    "paired_chains",
 )
 PIPELINED = frozenset(
     {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain", "flow_trees"}
@@ -425,19 +427,30 @@ class Planner:
         return self._packed_plans("rail_trees", packing, (src,), targets, num_bytes)
 
     def _chain_plans(
-        self, src: str, targets: tuple[str, ...], num_bytes: int
+        self, name: str, src: str, targets: tuple[str, ...], num_bytes: int
     ) -> list[TransferPlan]:
         """A chain through every destination on links its hops have to themselves
-        (`rails.disjoint_chain`), aiming at the max-flow rate."""
+        (`chains.disjoint_chain`), or two half-rate chains through mates
+        (`chains.paired_chains`), aiming at the max-flow rate."""
         if len(targets) < 2:
             return []
         rate = self._rate((src,), frozenset(targets))
-        found = disjoint_chain(self.links, self._flow_network(), src, targets, rate)
-        if found is None:
-            return []
-        tree, chain_rate = found
-        shape = Packing(((tree, chain_rate),), chain_rate, rate, 0)
-        return self._packed_plans("disjoint_chain", shape, (src,), targets, num_bytes)
+        network = self._flow_network()
+        if name == "disjoint_chain":
+            found = disjoint_chain(self.links, network, src, targets, rate)
+            if found is None:
+                return []
+            shape = Packing((found,), found[1], rate, 0)
+        else:
+            trees = paired_chains(self.links, network, src, targets, rate)
+            if trees is None:
+                return []
+            rates = fair_rates(network, trees)
+            kept = tuple((t, r) for t, r in zip(trees, rates, strict=True) if r > 0)
+            if len(kept) < len(trees):
+                return []
+            shape = Packing(kept, sum(rates), rate, 0)
+        return self._packed_plans(name, shape, (src,), targets, num_bytes)
 
     def _packed_plans(
         self,
@@ -535,8 +548,8 @@ class Planner:
             if name == "rail_trees":
                 plans.extend(self._rail_plans(src, targets, num_bytes))
                 continue
-            if name == "disjoint_chain":
-                plans.extend(self._chain_plans(src, targets, num_bytes))
+            if name in ("disjoint_chain", "paired_chains"):
+                plans.extend(self._chain_plans(name, src, targets, num_bytes))
                 continue
             for hops in self._build(name, src, targets, num_bytes):
                 chunks = 1

@@ -295,7 +295,7 @@ def spare_chain(
     while todo:
         best: tuple[float, str, tuple[str, ...]] | None = None
         for d in todo:
-            found = _widest(network, here, d, left)
+            found = widest_path(network, here, d, left)
             if found is not None and (best is None or found[0] > best[0]):
                 best = (found[0], d, found[1])
         if best is None or not best[0] > 0:
@@ -310,87 +310,7 @@ def spare_chain(
     return tree, min(left[key] / n for key, n in used.items())
 
 
-def disjoint_chain(
-    table: LinkTable, network: FlowNetwork, src: str, dsts: Sequence[str], rate_Bps: float
-) -> tuple[Tree, float] | None:
-    """A chain from `src` through every destination whose hops keep to links and device
-    limits the chain's earlier hops left room on: each next destination the nearest (least
-    latency, never through another GPU) still reachable at `rate_Bps`, or where none is,
-    the one behind the widest path; and the chain's rate (each resource's capacity over
-    the times the chain crosses it). Where no switch duplicates (PCIe), a chain is the one
-    tree that carries a broadcast at a GPU's full out-link rate, as every GPU has one
-    child; the shape algorithms' ring picks paths without knowing what its other hops
-    took, and the packed trees there stop short of the bound."""
-    left = dict(network.capacity)
-    hops: list[TreeHop] = []
-    used: Counter[Resource] = Counter()
-    here = src
-    todo = [d for d in dict.fromkeys(dsts) if d != src]
-    while todo:
-        found = _nearest_at(table, network, here, set(todo), left, rate_Bps)
-        if found is None:
-            widest: tuple[float, str, tuple[str, ...]] | None = None
-            for d in todo:
-                path_found = _widest(network, here, d, left)
-                if path_found is not None and (widest is None or path_found[0] > widest[0]):
-                    widest = (path_found[0], d, path_found[1])
-            if widest is None or not widest[0] > 0:
-                return None
-            found = (widest[1], widest[2])
-        d, path = found
-        hops.append(TreeHop(here, d, path, len(hops) - 1 if hops else None))
-        for key in (*itertools.pairwise(path), *path[1:-1]):
-            if key in network.capacity:
-                used[key] += 1
-                left[key] -= rate_Bps
-        here = d
-        todo.remove(d)
-    if not hops:
-        return None
-    return tuple(hops), min(network.capacity[key] / n for key, n in used.items())
-
-
-def _nearest_at(
-    table: LinkTable,
-    network: FlowNetwork,
-    src: str,
-    targets: set[str],
-    left: dict[Resource, float],
-    rate_Bps: float,
-) -> tuple[str, tuple[str, ...]] | None:
-    """The target nearest `src` (least latency) over links and devices with `rate_Bps`
-    left, through non-GPU devices only, and the path there; None if none is."""
-    need = rate_Bps * (1 - 1e-9)
-    dist = {src: 0.0}
-    previous: dict[str, str] = {}
-    heap = [(0.0, src)]
-    done: set[str] = set()
-    while heap:
-        d, node = heapq.heappop(heap)
-        if node in done:
-            continue
-        done.add(node)
-        if node in targets:
-            path = [node]
-            while path[-1] != src:
-                path.append(previous[path[-1]])
-            return node, tuple(reversed(path))
-        if node != src and network.is_gpu[node]:
-            continue
-        for nxt in network.adjacent[node]:
-            if left.get((node, nxt), 0.0) < need or nxt in done:
-                continue
-            if not network.is_gpu[nxt] and nxt in network.capacity and left[nxt] < need:
-                continue
-            nd = d + table.latency(node, nxt)
-            if nd < dist.get(nxt, math.inf):
-                dist[nxt] = nd
-                previous[nxt] = node
-                heapq.heappush(heap, (nd, nxt))
-    return None
-
-
-def _widest(
+def widest_path(
     network: FlowNetwork, src: str, dst: str, left: dict[Resource, float]
 ) -> tuple[float, tuple[str, ...]] | None:
     """The widest path under `left` from src to dst through non-GPU devices."""
