@@ -150,8 +150,9 @@ def paired_chains(
     """Two trees from `src` through every destination, each at half of `rate_Bps`: pairs
     of mates (`mates`, the source's first); tree A chains through the first GPU of each
     pair from the source on, tree B from the source's mate through the second of each
-    pair, every chain GPU passing the bytes to its mate too (the source's mate gets A from
-    the last of A's chain). None where some hop finds no path at that rate."""
+    pair, every chain GPU passing the bytes to its mate too; the chain's last GPU sends to
+    whoever that leaves out (in A the source's mate, in B an odd one out without a mate).
+    None where some hop finds no path at that rate."""
     pairs = mates(table, [src, *(d for d in dict.fromkeys(dsts) if d != src)])
     mate_of = {a: b for a, b in pairs if b is not None} | {b: a for a, b in pairs if b}
     first = pairs[0][1]
@@ -160,9 +161,10 @@ def paired_chains(
     router = _Router(table, network, rate_Bps / 2)
     heads = [a for a, _ in pairs[1:]]
     tails = [b for _, b in pairs[1:] if b is not None]
+    everyone = [g for pair in pairs for g in pair if g is not None]
     trees = [
-        _chain_tree(router, src, None, heads, mate_of, [first]),
-        _chain_tree(router, src, first, tails, mate_of, []),
+        _chain_tree(router, src, None, heads, mate_of, everyone),
+        _chain_tree(router, src, first, tails, mate_of, everyone),
     ]
     return None if any(t is None for t in trees) else [t for t in trees if t is not None]
 
@@ -177,7 +179,8 @@ def _chain_tree(
 ) -> Tree | None:
     """`src` (to `start` first, if given), then a chain through `chain` (each next the
     nearest reachable), each chain GPU passing the bytes to its mate, and the chain's end
-    to `last`; None where a hop finds no path at the router's rate."""
+    to each of `last` still without them; None where a hop finds no path at the router's
+    rate."""
     hops: list[TreeHop] = []
     holder: dict[str, int | None] = {src: None}
     here = src

@@ -65,6 +65,17 @@ def test_paired_chains_bring_pcie_broadcasts_near_the_bound(nodes: int) -> None:
         assert max(depth.values()) <= len(dsts) // 2 + 2
 
 
+@pytest.mark.parametrize("count", [2, 5, 6])
+def test_paired_chains_reach_an_odd_one_out(count: int) -> None:
+    """With an odd number of GPUs one has no mate: tree B's chain end sends it B's half."""
+    planner = Planner(build_preset("pcie-8"))
+    dsts = [f"n0.gpu{g}" for g in range(1, count + 1)]
+    plan = planner.plan("n0.gpu0", dsts, 64 * MIB, algorithms=["paired_chains"])
+    check_plan(plan)
+    check_fluid_schedule(planner, plan)
+    assert plan.bound_s is not None and plan.predicted_s >= plan.bound_s * (1 - 1e-9)
+
+
 @pytest.mark.parametrize("algorithm", ["disjoint_chain", "paired_chains"])
 @pytest.mark.parametrize(
     ("name", "src"), [("pcie", "n0.gpu0"), ("pcie", "n0.gpu1"), ("2x2", "n0.gpu0")]
