@@ -293,8 +293,9 @@ class TransferPlan:
                 line += f", round {hop.stage}"
             if hop.rate_Bps is not None:
                 line += f" at {hop.rate_Bps / 1e9:.1f} GB/s"
-            if hop.multicast is not None and hop.multicast != index:
-                line += f", multicast with hop {hop.multicast}"
+            if hop.multicast is not None:
+                first = hop.multicast == index
+                line += ", multicast" if first else f", multicast with hop {hop.multicast}"
             lines.append(line)
         return lines
 
