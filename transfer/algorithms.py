@@ -113,12 +113,16 @@ def chunks_per_tree(table: LinkTable, hops: Sequence[Hop], max_chunks: int) -> l
 
 
 def trees_of(hops: Sequence[Hop]) -> dict[int, list[int]]:
-    """Hop indices per tree (a root hop and the hops forwarding it), keyed by the root."""
+    """Hop indices per tree (a root hop, the hops of its multicast and the hops
+    forwarding them), keyed by the root."""
     trees: dict[int, list[int]] = {}
     root: dict[int, int] = {}
     for index, hop in enumerate(hops):
         parent = hop.after
-        root[index] = index if parent is None else root[parent]
+        if hop.multicast is not None and hop.multicast != index:
+            root[index] = root[hop.multicast]  # a multicast's hops are in one tree
+        else:
+            root[index] = index if parent is None else root[parent]
         trees.setdefault(root[index], []).append(index)
     return trees
 
@@ -280,8 +284,12 @@ def taper_trees(table: LinkTable, hops: Sequence[Hop]) -> tuple[list[Hop], list[
 
 
 def _renumbered(hop: Hop, position: dict[int, int]) -> Hop:
-    parent = hop.after
-    return replace(hop, after=None if parent is None else position[parent])
+    parent, group = hop.after, hop.multicast
+    return replace(
+        hop,
+        after=None if parent is None else position[parent],
+        multicast=None if group is None else position[group],
+    )
 
 
 # builders ------------------------------------------------------------------------------

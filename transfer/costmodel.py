@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from wasma.transfer.plan import Hop
+from wasma.transfer.plan import Hop, fork_of, group_of, multicast_groups, own_links, own_nodes
 from wasma.transfer.topology import Topology, TopologyError
 
 DirectedLink = tuple[str, str]
@@ -285,21 +285,27 @@ class LinkTable:
             for index, hop in enumerate(hops):
                 by_stage.setdefault(hop.stage, set()).add(index)
             peers = [by_stage[hop.stage] for hop in hops]
-        link_users: dict[DirectedLink, list[int]] = {}
-        node_users: dict[str, list[int]] = {}
+        self._check_forks(hops)
+        # A multicast counts once on every link and device its hops pass (`own_links`):
+        # users are counted by multicast, rates summed over what each hop adds.
+        group = [group_of(i, h) for i, h in enumerate(hops)]
+        links_added = own_links(hops)
+        nodes_added = own_nodes(hops)
+        link_users: dict[DirectedLink, set[int]] = {}
+        node_users: dict[str, set[int]] = {}
         for index, hop in enumerate(hops):
             for link in hop.links():
-                link_users.setdefault(link, []).append(index)
+                link_users.setdefault(link, set()).add(index)
             for node in hop.path[1:-1]:
                 if node in self._throughput:
-                    node_users.setdefault(node, []).append(index)
+                    node_users.setdefault(node, set()).add(index)
         rated: dict[DirectedLink, float] = {}
         rated_nodes: dict[str, float] = {}
-        for hop in hops:
+        for index, hop in enumerate(hops):
             if hop.rate_Bps is not None:
-                for link in hop.links():
+                for link in links_added[index]:
                     rated[link] = rated.get(link, 0.0) + hop.rate_Bps
-                for node in hop.path[1:-1]:
+                for node in nodes_added[index]:
                     rated_nodes[node] = rated_nodes.get(node, 0.0) + hop.rate_Bps
         occupy = self.per_message_s / self.message_window
         costs = []
@@ -320,7 +326,7 @@ class LinkTable:
                     share = self._bandwidth[link] / (1 + self._load.get(link, 0))
                     share *= hop.rate_Bps / rated[link]
                 else:
-                    users = sum(1 for j in link_users[link] if j == index or j in mates)
+                    users = len({group[j] for j in link_users[link] if j == index or j in mates})
                     share = self._bandwidth[link] / (users + self._load.get(link, 0))
                 if share < width * (1 - 1e-12):
                     width, bottleneck = share, [link]
@@ -334,7 +340,7 @@ class LinkTable:
                 if hop.rate_Bps is not None:
                     share = capacity * hop.rate_Bps / rated_nodes[node]
                 else:
-                    users = sum(1 for j in node_users[node] if j == index or j in mates)
+                    users = len({group[j] for j in node_users[node] if j == index or j in mates})
                     share = capacity / users
                 if share < width * (1 - 1e-12):
                     width, bottleneck, nodes = share, [], [node]
@@ -354,6 +360,13 @@ class LinkTable:
                 )
             )
         return costs
+
+    def _check_forks(self, hops: Sequence[Hop]) -> None:
+        """Every multicast forks at a device the topology says multicasts."""
+        for first, members in multicast_groups(hops).items():
+            _, fork = fork_of([hops[i].path for i in members])
+            if fork not in self.topology or not self.topology.can_multicast(fork):
+                raise TopologyError(f"multicast {first} forks at {fork}, which cannot multicast")
 
     def timed_costs(self, hops: Sequence[Hop]) -> list[HopCost]:
         """Hop costs with sharing among hops that overlap in time.

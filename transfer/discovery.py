@@ -29,8 +29,12 @@ def parse_nvidia_smi_topo(
     pcie_Bps: float = 24e9,
     nic_Bps: float = 25e9,
     smp_Bps: float = 60e9,
+    nvswitch_multicast: bool | None = None,
 ) -> Topology:
-    """Build a one-host topology from `nvidia-smi topo -m` text."""
+    """Build a one-host topology from `nvidia-smi topo -m` text. `nvswitch_multicast`
+    says whether the NVSwitch (where there is one) multicasts; None reads it from the
+    bond: 18 NVLinks a GPU is Hopper or later (third-generation NVSwitch, NVLink SHARP),
+    12 (A100) and fewer are older switches that do not."""
     header, rows = _matrix(text)
     devices = [d for d in header if _DEVICE.match(d)]
     if not any(d.startswith("GPU") for d in devices):
@@ -104,7 +108,8 @@ def parse_nvidia_smi_topo(
     if len(gpus) > 2 and len(counts) == 1 and 0 not in counts:
         # Every pair bonded alike: an NVSwitch fabric (HGX). Per GPU bandwidth = its links.
         (count,) = counts
-        builder.add_device(f"{host}.nvswitch", "nvswitch", host)
+        multicast = count >= 18 if nvswitch_multicast is None else nvswitch_multicast
+        builder.add_device(f"{host}.nvswitch", "nvswitch", host, multicast=multicast)
         for g in gpus:
             builder.add_link(
                 names[g], f"{host}.nvswitch", count * nvlink_per_link_Bps, 0.7e-6, "nvlink"

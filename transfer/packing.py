@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from wasma.transfer.costmodel import LinkTable
-from wasma.transfer.plan import Hop
+from wasma.transfer.plan import Hop, group_of, own_links, own_nodes
 
 Resource = tuple[str, str] | str  # a directed link, or a device with a throughput limit
 
@@ -38,6 +38,9 @@ class TreeHop:
     dst: str
     path: tuple[str, ...]
     parent: int | None  # the hop of the same tree that delivers to src; None: src holds it
+    # The tree's hop that starts the multicast this hop belongs to (`Hop.multicast`, in
+    # the tree's own numbering); None: a hop of its own.
+    multicast: int | None = None
 
 
 Tree = tuple[TreeHop, ...]
@@ -69,7 +72,10 @@ class Packing:
             base = len(out)
             for hop in tree:
                 after = None if hop.parent is None else base + hop.parent
-                out.append(Hop(hop.src, hop.dst, hop.path, lo, hi - lo, 1, after, 0, rate))
+                group = None if hop.multicast is None else base + hop.multicast
+                out.append(
+                    Hop(hop.src, hop.dst, hop.path, lo, hi - lo, 1, after, 0, rate, multicast=group)
+                )
             lo = hi
         return out
 
@@ -83,17 +89,18 @@ def work_conserving(table: LinkTable, hops: Sequence[Hop]) -> list[Hop]:
     capacity (each hop is raised by its most loaded link's factor, or less)."""
     on_link: dict[tuple[str, str], float] = {}
     on_node: dict[str, float] = {}
-    for hop in hops:
+    links_added = own_links(hops)
+    nodes_added = own_nodes(hops)
+    for index, hop in enumerate(hops):
         rate = hop.rate_Bps or 0.0
-        for link in hop.links():
+        for link in links_added[index]:
             on_link[link] = on_link.get(link, 0.0) + rate
-        for node in hop.path[1:-1]:
+        for node in nodes_added[index]:
             if table.throughput(node) is not None:
                 on_node[node] = on_node.get(node, 0.0) + rate
-    out = []
-    for hop in hops:
+    factors: dict[int, float] = {}
+    for index, hop in enumerate(hops):
         if not hop.rate_Bps:
-            out.append(hop)
             continue
         factor = min(
             (table.capacity(*link) / on_link[link] for link in hop.links()),
@@ -103,6 +110,15 @@ def work_conserving(table: LinkTable, hops: Sequence[Hop]) -> list[Hop]:
             cap = table.throughput(node)
             if cap is not None:
                 factor = min(factor, cap / on_node[node])
+        # A multicast's hops are one send: all raised by the least factor of its links.
+        key = group_of(index, hop)
+        factors[key] = min(factors.get(key, math.inf), factor)
+    out = []
+    for index, hop in enumerate(hops):
+        if not hop.rate_Bps:
+            out.append(hop)
+            continue
+        factor = factors[group_of(index, hop)]
         out.append(replace(hop, rate_Bps=hop.rate_Bps * max(1.0, factor)))
     return out
 
@@ -276,10 +292,17 @@ class FlowNetwork:
 
     @staticmethod
     def usage(tree: Tree) -> Counter[Resource]:
+        """Per link and device, how many times the tree's rate crosses it: once per hop,
+        a multicast once on its shared prefix and once on each branch."""
         used: Counter[Resource] = Counter()
-        for hop in tree:
-            used.update(itertools.pairwise(hop.path))
-            used.update(hop.path[1:-1])
+        shared: dict[int, set[Resource]] = {}
+        for index, hop in enumerate(tree):
+            counted = shared.setdefault(index if hop.multicast is None else hop.multicast, set())
+            keys: list[Resource] = [*itertools.pairwise(hop.path), *hop.path[1:-1]]
+            for key in keys:
+                if key not in counted:
+                    counted.add(key)
+                    used[key] += 1
         return used
 
     def left_after(self, flows: Iterable[tuple[Counter[Resource], float]]) -> dict[Resource, float]:

@@ -22,6 +22,14 @@ class Hop:
     from the start); a piece is forwarded as soon as it has arrived, so a chain
     pipelines. Hops of a later `stage` start only when every hop of the earlier stages is
     done (a round barrier, as in a binomial tree).
+
+    `multicast` names the first hop of the multicast this hop belongs to (its own index
+    for that one; None: a hop of its own). The hops of one multicast send the same pieces
+    from the same sender (range, pieces, `after`, stage and rate alike) to different
+    destinations; their paths share a prefix that ends at a switch able to multicast (the
+    fork) and part there. Each piece crosses the prefix once and each branch once: the
+    switch replicates it (NVLink SHARP), so the sender's link carries it once however many
+    GPUs it reaches.
     """
 
     src: str
@@ -37,6 +45,7 @@ class Hop:
     rate_Bps: float | None = None
     taper: int = 0
     ramp: float = 1.0
+    multicast: int | None = None
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         return chunk_bounds(self.offset_bytes, self.num_bytes, self.chunks, self.taper, self.ramp)
@@ -44,6 +53,95 @@ class Hop:
     def links(self) -> list[tuple[str, str]]:
         """Directed links this hop occupies (each direction of a cable is its own)."""
         return list(zip(self.path, self.path[1:], strict=False))
+
+
+def group_of(index: int, hop: Hop) -> int:
+    """The multicast a hop belongs to, by its first hop's index (a lone hop: its own)."""
+    return index if hop.multicast is None else hop.multicast
+
+
+def multicast_groups(hops: Sequence[Hop]) -> dict[int, list[int]]:
+    """Hop indices of each multicast of two or more hops, keyed by its first hop."""
+    groups: dict[int, list[int]] = {}
+    for index, hop in enumerate(hops):
+        if hop.multicast is not None:
+            groups.setdefault(hop.multicast, []).append(index)
+    return {first: members for first, members in groups.items() if len(members) > 1}
+
+
+def fork_of(paths: Sequence[tuple[str, ...]]) -> tuple[int, str]:
+    """(position, device) where the paths of one multicast part: the last device of
+    their longest common prefix."""
+    shortest = min(len(p) for p in paths)
+    at = 0
+    while at + 1 < shortest and all(p[at + 1] == paths[0][at + 1] for p in paths):
+        at += 1
+    return at, paths[0][at]
+
+
+def own_links(hops: Sequence[Hop]) -> list[list[tuple[str, str]]]:
+    """Per hop, the directed links its pieces add to what the plan carries: all of its
+    path's, except those an earlier hop of its multicast already counts (the shared
+    prefix up to the fork), so a multicast is counted once on the prefix and once on
+    each branch. Devices on the path (`own_nodes`) likewise."""
+    if all(hop.multicast is None for hop in hops):
+        return [hop.links() for hop in hops]
+    seen: dict[int, set[tuple[str, str]]] = {}
+    out = []
+    for index, hop in enumerate(hops):
+        counted = seen.setdefault(group_of(index, hop), set())
+        mine = [link for link in hop.links() if link not in counted]
+        counted.update(mine)
+        out.append(mine)
+    return out
+
+
+def own_nodes(hops: Sequence[Hop]) -> list[list[str]]:
+    """Per hop, the devices between its ends that its pieces pass and no earlier hop of
+    its multicast already counts."""
+    if all(hop.multicast is None for hop in hops):
+        return [list(hop.path[1:-1]) for hop in hops]
+    seen: dict[int, set[str]] = {}
+    out = []
+    for index, hop in enumerate(hops):
+        counted = seen.setdefault(group_of(index, hop), set())
+        mine = [node for node in hop.path[1:-1] if node not in counted]
+        counted.update(mine)
+        out.append(mine)
+    return out
+
+
+def check_multicasts(hops: Sequence[Hop]) -> None:
+    """Raise ValueError unless every multicast is one send: its hops alike but for
+    destination and the branch after a common fork (a device between the ends), the
+    branches' links distinct from one another and from the prefix."""
+    for index, hop in enumerate(hops):
+        m = hop.multicast
+        if m is None:
+            continue
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= index:
+            raise ValueError(f"hop {index}: multicast must name itself or an earlier hop")
+        lead = hops[m]
+        if lead.multicast != m:
+            raise ValueError(f"hop {index}: multicast {m} is not the first hop of a multicast")
+        alike = ("src", "offset_bytes", "num_bytes", "chunks", "after", "stage", "rate_Bps")
+        if any(getattr(hop, f) != getattr(lead, f) for f in (*alike, "taper", "ramp")):
+            raise ValueError(f"hop {index} differs from hop {m} of its multicast but in dst")
+    for first, members in multicast_groups(hops).items():
+        paths = [hops[i].path for i in members]
+        dsts = [hops[i].dst for i in members]
+        if len(set(dsts)) != len(dsts):
+            raise ValueError(f"multicast {first} reaches a destination twice")
+        at, fork = fork_of(paths)
+        if at == 0 or fork in dsts:
+            raise ValueError(f"multicast {first} does not fork at a switch between its ends")
+        prefix = set(itertools.pairwise(paths[0][: at + 1]))
+        branches: set[tuple[str, str]] = set()
+        for path in paths:
+            branch = set(itertools.pairwise(path[at:]))
+            if branch & (branches | prefix):
+                raise ValueError(f"multicast {first}: two branches share a link past {fork}")
+            branches |= branch
 
 
 @dataclass(frozen=True)
@@ -195,6 +293,9 @@ class TransferPlan:
                 line += f", round {hop.stage}"
             if hop.rate_Bps is not None:
                 line += f" at {hop.rate_Bps / 1e9:.1f} GB/s"
+            if hop.multicast is not None:
+                first = hop.multicast == index
+                line += ", multicast" if first else f", multicast with hop {hop.multicast}"
             lines.append(line)
         return lines
 
@@ -237,7 +338,9 @@ class TransferPlan:
 def check_plan(plan: TransferPlan) -> None:
     """Raise ValueError unless every hop sends bytes its sender holds (from the start, or
     from the hop that delivers them) and every destination ends up with what it wants.
-    Executors call this before moving anything."""
+    Executors call this before moving anything (and multicasts are one send each,
+    `check_multicasts`; whether the fork can multicast is the topology's to say, which
+    the link model checks when it prices the plan)."""
     for span in (*plan.held, *plan.wanted):
         if span.num_bytes < 0 or span.offset_bytes < 0 or span.end > plan.bytes:
             raise ValueError(f"part [{span.offset_bytes}, {span.end}) of {span.device} invalid")
@@ -247,6 +350,7 @@ def check_plan(plan: TransferPlan) -> None:
     stages = [h.stage for h in plan.hops]
     if stages != sorted(stages):
         raise ValueError("hops must be listed in round order")
+    check_multicasts(plan.hops)
     for index, hop in enumerate(plan.hops):
         lo, hi = hop.offset_bytes, hop.offset_bytes + hop.num_bytes
         if hop.num_bytes < 0 or lo < 0 or hi > plan.bytes or hop.chunks < 1:

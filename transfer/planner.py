@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from wasma.transfer import algorithms as alg
+from wasma.transfer.chains import disjoint_chain, paired_chains
 from wasma.transfer.costmodel import LinkTable
 from wasma.transfer.flows import (
     Demand,
@@ -26,8 +27,8 @@ from wasma.transfer.packing import (
     latency_floor_s,
     work_conserving,
 )
-from wasma.transfer.plan import Hop, Span, TransferPlan
-from wasma.transfer.rails import rail_packing
+from wasma.transfer.plan import Hop, Span, TransferPlan, own_links
+from wasma.transfer.rails import fair_rates, rail_packing
 from wasma.transfer.symmetry import pair_classes
 from wasma.transfer.topology import Topology, TopologyError
 
@@ -42,6 +43,8 @@ ALGORITHMS = (
     "hierarchical_chain",
     "flow_trees",
     "rail_trees",
+    "disjoint_chain",
+    "paired_chains",
 )
 PIPELINED = frozenset(
     {"chain", "rail_stripe", "packed_trees", "hierarchical", "hierarchical_chain", "flow_trees"}
@@ -423,6 +426,32 @@ class Planner:
             return []
         return self._packed_plans("rail_trees", packing, (src,), targets, num_bytes)
 
+    def _chain_plans(
+        self, name: str, src: str, targets: tuple[str, ...], num_bytes: int
+    ) -> list[TransferPlan]:
+        """A chain through every destination on links its hops have to themselves
+        (`chains.disjoint_chain`), or two half-rate chains through mates
+        (`chains.paired_chains`), aiming at the max-flow rate."""
+        if len(targets) < 2:
+            return []
+        rate = self._rate((src,), frozenset(targets))
+        network = self._flow_network()
+        if name == "disjoint_chain":
+            found = disjoint_chain(self.links, network, src, targets, rate)
+            if found is None:
+                return []
+            shape = Packing((found,), found[1], rate, 0)
+        else:
+            trees = paired_chains(self.links, network, src, targets, rate)
+            if trees is None:
+                return []
+            rates = fair_rates(network, trees)
+            kept = tuple((t, r) for t, r in zip(trees, rates, strict=True) if r > 0)
+            if len(kept) < len(trees):
+                return []
+            shape = Packing(kept, sum(rates), rate, 0)
+        return self._packed_plans(name, shape, (src,), targets, num_bytes)
+
     def _packed_plans(
         self,
         name: str,
@@ -518,6 +547,9 @@ class Planner:
                 continue
             if name == "rail_trees":
                 plans.extend(self._rail_plans(src, targets, num_bytes))
+                continue
+            if name in ("disjoint_chain", "paired_chains"):
+                plans.extend(self._chain_plans(name, src, targets, num_bytes))
                 continue
             for hops in self._build(name, src, targets, num_bytes):
                 chunks = 1
@@ -701,10 +733,10 @@ class Planner:
 
     def reserve(self, plan: TransferPlan) -> None:
         """Count a running transfer's links as busy, so plans made meanwhile share them."""
-        self.links.add_load(link for hop in plan.hops for link in hop.links())
+        self.links.add_load(link for links in own_links(plan.hops) for link in links)
 
     def release(self, plan: TransferPlan) -> None:
-        self.links.add_load((link for hop in plan.hops for link in hop.links()), count=-1)
+        self.links.add_load((link for links in own_links(plan.hops) for link in links), count=-1)
 
     # validation --------------------------------------------------------------------------
     def _check_request(

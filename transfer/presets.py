@@ -3,7 +3,9 @@
 Figures are per direction and what transfers achieve, not marketing peaks:
 - HGX H100/H200: 8 GPUs on NVSwitch (NVLink 4, 18 links x 25 GB/s = 450 GB/s each way);
   per pair of GPUs a PCIe Gen5 switch that also holds two 400G NICs (GPUDirect RDMA,
-  one NIC per GPU); two CPU sockets. H200 differs from H100 in HBM, not in fabric.
+  one NIC per GPU); two CPU sockets. H200 differs from H100 in HBM, not in fabric. Their
+  third-generation NVSwitch multicasts (NVLink SHARP: a GPU writes a piece once into the
+  switch, which delivers it to every GPU of the group; NCCL's NVLS algorithms).
 - pcie-8: 8 GPUs without NVLink, two per PCIe Gen4 switch (~24 GB/s), two sockets joined
   by UPI, one 200G NIC per socket.
 - Between nodes, a rail-optimised two-level fat tree: NIC i of every node plugs into leaf
@@ -132,7 +134,8 @@ def _add_node(builder: TopologyBuilder, host: str, shape: NodeShape) -> None:
         switches.append(switch)
     nvswitch = None
     if shape.nvlink_Bps is not None:
-        nvswitch = builder.add_device(f"{host}.nvswitch", "nvswitch", host)
+        # Third-generation NVSwitch (HGX H100/H200) multicasts (NVLink SHARP, NCCL's NVLS).
+        nvswitch = builder.add_device(f"{host}.nvswitch", "nvswitch", host, multicast=True)
     for g in range(shape.gpus):
         gpu = builder.add_device(f"{host}.gpu{g}", "gpu", host)
         builder.add_link(

@@ -94,8 +94,10 @@ class _Paths:
 
 
 def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | None:
-    """The lanes' trees from `src` to `dsts` (None where the move stays on one host or a
-    lane has no path outside other GPUs)."""
+    """The lanes' trees from `src` to `dsts` (None where a lane has no path outside other
+    GPUs). Where a host's switch multicasts, a GPU passes a sub-part to the others of its
+    host in one multicast, and the source sends each sub-part once into its host's switch
+    for all of that host's destinations and the lane's owner."""
     topology = table.topology
     home = topology.host_of(src)
     by_host: dict[str, list[str]] = {}
@@ -104,10 +106,17 @@ def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | 
     remote = [h for h in by_host if h != home]
     local = [d for d in by_host.get(home, []) if d != src]
     paths = _Paths(table)
+    try:
+        home_multicasts = len(_fans(paths, src, local)) < len(local)
+    except TopologyError:
+        return None
     if not remote:
-        # One host: each destination relays a sub-part to the others (scatter +
-        # all-gather over the host's fabric).
         try:
+            if home_multicasts:
+                # One host whose switch multicasts: the source's one send reaches all.
+                return [_fan_out(paths, src, local, {src: None}, [])]
+            # Each destination relays a sub-part to the others (scatter + all-gather
+            # over the host's fabric).
             return [
                 tuple(
                     TreeHop(a, b, paths(a, b), None if a == src else 0)
@@ -134,7 +143,8 @@ def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | 
             # host's NIC r forwards its share to the rest (a chain through the hosts
             # would be as many rail hops deep as there are hosts).
             firsts = remote
-            relays = [owner] if owner != src else (local or [src])
+            # Where the source's switch multicasts, its one send reaches the host: no relay.
+            relays = [src] if home_multicasts else [owner] if owner != src else local or [src]
             for i in range(max(len(relays), len(firsts))):
                 trees.append(
                     _lane_tree(
@@ -153,6 +163,48 @@ def rail_trees(table: LinkTable, src: str, dsts: Sequence[str]) -> list[Tree] | 
     return trees
 
 
+def _fans(paths: _Paths, a: str, targets: Sequence[str]) -> list[list[str]]:
+    """`targets` in groups `a` reaches in one send each: those whose paths from `a` fork
+    at one switch that multicasts, right after `a`'s own link into it (each branch then
+    its own links); every other target alone."""
+    topology = paths.table.topology
+    groups: dict[str, list[str]] = {}
+    alone: list[list[str]] = []
+    for b in targets:
+        path = paths(a, b)
+        if len(path) > 2 and topology.can_multicast(path[1]):
+            groups.setdefault(path[1], []).append(b)
+        else:
+            alone.append([b])
+    out = []
+    for members in groups.values():
+        branches = [tuple(itertools.pairwise(paths(a, b)[1:])) for b in members]
+        links = [link for branch in branches for link in branch]
+        if len(members) > 1 and len(set(links)) == len(links):
+            out.append(members)
+        else:
+            out.extend([b] for b in members)
+    return out + alone
+
+
+def _fan_out(
+    paths: _Paths,
+    a: str,
+    targets: Sequence[str],
+    holder: dict[str, int | None],
+    hops: list[TreeHop],
+) -> Tree:
+    """`hops` with `a` sending to each of `targets` (in one multicast where `_fans` groups
+    them); `holder` maps each device to the hop that delivers to it."""
+    for members in _fans(paths, a, [b for b in targets if b != a]):
+        first = len(hops)
+        for b in members:
+            group = first if len(members) > 1 else None
+            hops.append(TreeHop(a, b, paths(a, b), holder[a], group))
+            holder[b] = len(hops) - 1
+    return tuple(hops)
+
+
 def _lane_tree(
     paths: _Paths,
     src: str,
@@ -165,8 +217,9 @@ def _lane_tree(
 ) -> Tree:
     """One sub-part's tree: src -> owner; the owner over its rail to the lane's GPU on
     host `first`, which passes it to the other hosts' lane GPUs; `relay` (the owner, or
-    for the source's own lane a destination of the source host) to the source host's
-    other destinations; each lane GPU to its own host's destinations."""
+    for the source's own lane a destination of the source host; the source itself where
+    its switch multicasts) to the source host's other destinations; each lane GPU to its
+    own host's destinations (in one multicast where their switch multicasts)."""
     topology = paths.table.topology
     hops: list[TreeHop] = []
     holder: dict[str, int | None] = {src: None}
@@ -175,9 +228,12 @@ def _lane_tree(
         hops.append(TreeHop(a, b, paths(a, b), holder[a]))
         holder[b] = len(hops) - 1
 
-    if owner != src:
+    if relay == src:
+        # The source's multicast: the owner and the host's destinations at once.
+        _fan_out(paths, src, list(dict.fromkeys([owner, *local])), holder, hops)
+    elif owner != src:
         send(src, owner)
-    elif relay != src:
+    else:
         send(src, relay)
     head = next(g for g in lands if topology.host_of(g) == first)
     send(owner, head)
@@ -189,9 +245,7 @@ def _lane_tree(
             if d != relay:
                 send(relay, d)
     for land in lands:
-        for d in by_host[topology.host_of(land)]:
-            if d != land:
-                send(land, d)
+        _fan_out(paths, land, by_host[topology.host_of(land)], holder, hops)
     return tuple(hops)
 
 
@@ -241,7 +295,7 @@ def spare_chain(
     while todo:
         best: tuple[float, str, tuple[str, ...]] | None = None
         for d in todo:
-            found = _widest(network, here, d, left)
+            found = widest_path(network, here, d, left)
             if found is not None and (best is None or found[0] > best[0]):
                 best = (found[0], d, found[1])
         if best is None or not best[0] > 0:
@@ -256,7 +310,7 @@ def spare_chain(
     return tree, min(left[key] / n for key, n in used.items())
 
 
-def _widest(
+def widest_path(
     network: FlowNetwork, src: str, dst: str, left: dict[Resource, float]
 ) -> tuple[float, tuple[str, ...]] | None:
     """The widest path under `left` from src to dst through non-GPU devices."""

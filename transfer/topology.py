@@ -48,6 +48,10 @@ class Device:
     # Total bytes/s all transfers through this device share (a switch backplane, or the
     # CPU cores doing copies); None: unlimited, only its links constrain.
     throughput_Bps: float | None = None
+    # Replicates what one link brings in onto several of its out-links (NVLink SHARP on
+    # an H100/H200 NVSwitch: NCCL's NVLS algorithms): a sender's piece crosses its link
+    # into the switch once, whatever the number of GPUs it reaches there.
+    multicast: bool = False
 
 
 class Topology:
@@ -85,7 +89,10 @@ class Topology:
         for i, entry in enumerate(devices):
             if not isinstance(entry, Mapping) or "name" not in entry or "kind" not in entry:
                 raise TopologyError(f"devices[{i}] needs 'name' and 'kind'")
-            _only(entry, {"name", "kind", "host", "throughput"}, f"devices[{i}]")
+            _only(entry, {"name", "kind", "host", "throughput", "multicast"}, f"devices[{i}]")
+            multicast = entry.get("multicast", False)
+            if not isinstance(multicast, bool):
+                raise TopologyError(f"devices[{i}]: 'multicast' must be true or false")
             throughput = entry.get("throughput")
             try:
                 throughput_Bps = None if throughput is None else parse_bandwidth(throughput)
@@ -96,6 +103,7 @@ class Topology:
                 str(entry["kind"]),
                 entry.get("host"),
                 throughput_Bps=throughput_Bps,
+                multicast=multicast,
             )
         for i, entry in enumerate(links):
             if not isinstance(entry, Mapping):
@@ -157,6 +165,7 @@ class Topology:
             "devices": [
                 {"name": d.name, "kind": d.kind, "host": d.host}
                 | ({"throughput": d.throughput_Bps} if d.throughput_Bps else {})
+                | ({"multicast": True} if d.multicast else {})
                 for d in self.devices()
             ],
             "links": [
@@ -184,7 +193,13 @@ class Topology:
 
     def devices(self, kind: str | None = None) -> list[Device]:
         return [
-            Device(name, attrs["kind"], attrs["host"], attrs.get("throughput"))
+            Device(
+                name,
+                attrs["kind"],
+                attrs["host"],
+                attrs.get("throughput"),
+                bool(attrs.get("multicast", False)),
+            )
             for name, attrs in self._graph.nodes(data=True)
             if kind is None or attrs["kind"] == kind
         ]
@@ -201,7 +216,18 @@ class Topology:
     def device(self, name: str) -> Device:
         self.require(name)
         attrs = self._graph.nodes[name]
-        return Device(name, attrs["kind"], attrs["host"], attrs.get("throughput"))
+        return Device(
+            name,
+            attrs["kind"],
+            attrs["host"],
+            attrs.get("throughput"),
+            bool(attrs.get("multicast", False)),
+        )
+
+    def can_multicast(self, name: str) -> bool:
+        """Whether `name` replicates a piece onto several out-links (`Device.multicast`)."""
+        self.require(name)
+        return bool(self._graph.nodes[name].get("multicast", False))
 
     def require(self, name: str, kind: str | None = None) -> None:
         """Raise TopologyError naming the device if it is absent (or not of `kind`)."""
@@ -258,7 +284,13 @@ class TopologyBuilder:
         self._graph = nx.Graph()
 
     def add_device(
-        self, name: str, kind: str, host: str | None = None, *, throughput_Bps: float | None = None
+        self,
+        name: str,
+        kind: str,
+        host: str | None = None,
+        *,
+        throughput_Bps: float | None = None,
+        multicast: bool = False,
     ) -> str:
         if not name:
             raise TopologyError("device names must be non-empty")
@@ -274,11 +306,16 @@ class TopologyBuilder:
                 f"device {name!r}: throughput must be a positive number of "
                 f"bytes/s, got {throughput_Bps!r}"
             )
+        if multicast and kind == "gpu":
+            # A GPU that copies to several peers sends each copy: hops, not a switch.
+            raise TopologyError(f"device {name!r}: only switches multicast, not GPUs")
         if host is None:
             if kind == "gpu":
                 raise TopologyError(f"GPU {name!r} needs a 'host'")
             host = name
-        self._graph.add_node(name, kind=kind, host=str(host), throughput=throughput_Bps)
+        self._graph.add_node(
+            name, kind=kind, host=str(host), throughput=throughput_Bps, multicast=bool(multicast)
+        )
         return name
 
     def add_link(

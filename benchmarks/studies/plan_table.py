@@ -45,7 +45,8 @@ def destination_sets(nodes: int) -> list[tuple[str, list[str]]]:
 
 
 def random_cluster(rng: random.Random) -> Topology:
-    """1-4 hosts of 1-4 GPUs: maybe an NVSwitch (some GPUs not on it), one or two PCIe
+    """1-4 hosts of 1-4 GPUs: maybe an NVSwitch (some GPUs not on it; on even hosts it
+    multicasts), one or two PCIe
     switches under a CPU, 0-2 NICs of mixed speeds a host, a fabric switch between."""
     builder = TopologyBuilder("random")
     hosts = rng.randint(1, 4)
@@ -60,7 +61,11 @@ def random_cluster(rng: random.Random) -> Topology:
             builder.add_link(switches[-1], cpu, rng.uniform(10e9, 60e9), 0.5e-6, "pcie")
         nvswitch = None
         if rng.random() < 0.6:
-            nvswitch = builder.add_device(f"{host}.nvswitch", "nvswitch", host)
+            # Even hosts' switches multicast (an H100-class NVSwitch), odd ones do not
+            # (older ones): no draw of its own, so the clusters stay as they were.
+            nvswitch = builder.add_device(
+                f"{host}.nvswitch", "nvswitch", host, multicast=h % 2 == 0
+            )
         for g in range(rng.randint(1, 4)):
             gpu = builder.add_device(f"{host}.gpu{g}", "gpu", host)
             builder.add_link(gpu, rng.choice(switches), rng.uniform(10e9, 60e9), 0.5e-6, "pcie")

@@ -13,22 +13,50 @@ from hypothesis import strategies as st
 
 from wasma.benchmarks.studies.plan_table import random_cluster
 from wasma.transfer import Planner, TopologyBuilder, TransferPlan, build_preset
-from wasma.transfer.plan import check_plan
+from wasma.transfer.plan import Hop, check_plan
 
 MIB = 1 << 20
 
 
 def check_fluid_schedule(planner: Planner, plan: TransferPlan) -> None:
     """Every hop runs from the start at its rate: no link (or device limit) may carry
-    more than its capacity at once, and each device gets each byte exactly once."""
+    more than its capacity at once, and each device gets each byte exactly once. A
+    multicast (hops naming one first hop in `multicast`) is one send: its rate counts
+    once on each link and device of the union of its paths, and it must fork at a
+    device the topology says multicasts, each branch on links of its own."""
     on_link: dict[tuple[str, str], float] = defaultdict(float)
     on_node: dict[str, float] = defaultdict(float)
-    for hop in plan.hops:
+    groups: dict[int, list[Hop]] = defaultdict(list)
+    for index, hop in enumerate(plan.hops):
         assert hop.rate_Bps is not None and hop.rate_Bps > 0 and hop.stage == 0
-        for link in itertools.pairwise(hop.path):
-            on_link[link] += hop.rate_Bps
-        for node in hop.path[1:-1]:
-            on_node[node] += hop.rate_Bps
+        groups[index if hop.multicast is None else hop.multicast].append(hop)
+    for members in groups.values():
+        first = members[0]
+        links = {link for hop in members for link in itertools.pairwise(hop.path)}
+        nodes = {node for hop in members for node in hop.path[1:-1]}
+        for hop in members:
+            assert (hop.src, hop.offset_bytes, hop.num_bytes, hop.rate_Bps) == (
+                first.src,
+                first.offset_bytes,
+                first.num_bytes,
+                first.rate_Bps,
+            )
+        if len(members) > 1:
+            # Where the paths part, the device must multicast, and past it no two
+            # branches (nor a branch and the shared prefix) may use one link.
+            at = 0
+            while all(len(h.path) > at + 1 for h in members) and (
+                len({h.path[at + 1] for h in members}) == 1
+            ):
+                at += 1
+            assert planner.topology.can_multicast(first.path[at]), first.path[at]
+            branch_links = [link for h in members for link in itertools.pairwise(h.path[at:])]
+            assert len(branch_links) == len(set(branch_links))
+            assert not set(branch_links) & set(itertools.pairwise(first.path[: at + 1]))
+        for link in links:
+            on_link[link] += first.rate_Bps
+        for node in nodes:
+            on_node[node] += first.rate_Bps
             assert planner.topology.kind_of(node) != "gpu"  # GPUs relay only as endpoints
     for (u, v), rate in on_link.items():
         assert rate <= planner.links.bandwidth(u, v) * (1 + 1e-9), (u, v)
@@ -89,6 +117,8 @@ def test_random_clusters_plans_are_feasible_and_near_the_bound(
     assert flow.predicted_s >= flow.bound_s * (1 - 1e-9)
     best = planner.plan_from(sources, dsts, size)
     check_plan(best)
+    if all(h.rate_Bps is not None and h.stage == 0 for h in best.hops):
+        check_fluid_schedule(planner, best)  # a packed pick: rail trees, multicasts
     assert best.bound_s is not None
     assert best.predicted_s >= best.bound_s * (1 - 1e-9), (best.algorithm, best.ratio)
     assert best.ratio is not None and best.ratio <= 1.15, (best.algorithm, best.ratio)

@@ -210,6 +210,12 @@ def test_discovery_hgx_builds_nvswitch_and_pcie_groups() -> None:
     # Two NUMA nodes, joined by the SMP link.
     assert {d.name for d in topo.devices("cpu")} == {"n3.cpu0", "n3.cpu1"}
     assert topo.link("n3.cpu0", "n3.cpu1").kind == "smp"
+    # 18 NVLinks a GPU: a Hopper NVSwitch, which multicasts (NVLS); unless told otherwise.
+    assert topo.can_multicast("n3.nvswitch")
+    told = parse_nvidia_smi_topo(HGX_TOPO, host="n3", nvswitch_multicast=False)
+    assert not told.can_multicast("n3.nvswitch")
+    older = parse_nvidia_smi_topo(HGX_TOPO.replace("NV18", "NV12"), host="n3")
+    assert not older.can_multicast("n3.nvswitch")
 
 
 def test_discovery_mesh_uses_direct_nvlinks() -> None:

@@ -40,6 +40,7 @@ needs_gloo = pytest.mark.skipif(not torch_available("gloo"), reason="no torch gl
         ("binomial_tree", ["n0.gpu1", "n1.gpu0", "n1.gpu1"], 1),
         ("rail_stripe", ["n1.gpu5"], 2),
         ("flow_trees", ["n0.gpu1", "n0.gpu2", "n0.gpu3"], 3),
+        ("rail_trees", ["n0.gpu1", "n0.gpu2", "n0.gpu3"], 3),  # one multicast, a PCIe chain
     ],
 )
 def test_gloo_runs_plans(algorithm: str, dsts: list[str], chunks: int) -> None:
