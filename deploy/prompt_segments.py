@@ -182,7 +182,7 @@ def _direct_encoder(tokenizer: Any, probes: list[str]) -> Callable[[str], list[i
     """The ids of a text from the Rust tokenizer behind `tokenizer`, without the Python
     wrapper's per-call work (its keyword handling, truncation and padding set-up, the
     conversion of its encodings to a dict of lists: 90 of 145 us for a one-line text here,
-    about a third of a 2.6k-token one). A copy of its own, so that no truncation or
+    about a quarter of a 2.6k-token one). A copy of its own, so that no truncation or
     padding another caller sets on the shared one applies to it; None unless it gives
     the wrapper's ids on the probes."""
     backend: Any = getattr(tokenizer, "backend_tokenizer", None)
