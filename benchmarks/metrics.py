@@ -56,11 +56,7 @@ def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[s
     cached = sum(r.cached_tokens for r in reqs)
     cpu_hit = sum(r.cpu_hit_tokens for r in reqs)
     return {
-        "trace": trace,
-        "policy": run.policy,
-        "rate_scale": run.rate_scale,
-        "engines": run.engines,
-        "profile": run.profile,
+        **_identity(run, trace),
         "workflows": len(wfs),
         "requests": len(reqs),
         "duration_s": round(duration, 6),
@@ -84,17 +80,24 @@ def summarize(run: RunResult, trace: str, kv_bytes_per_token: int = 0) -> dict[s
     }
 
 
-def summarize_cut(run: RunResult, trace: str) -> dict[str, Any]:
-    """The row of a run stopped once its deadline attainment could no longer reach its
-    threshold (`SimReplay(stop_below=...)`): what identifies the run, the verdict's
-    evidence, and none of the metrics, which would describe only the part of the trace
-    that had finished."""
+def _identity(run: RunResult, trace: str) -> dict[str, Any]:
+    """What names a run in its row, full or cut short."""
     return {
         "trace": trace,
         "policy": run.policy,
         "rate_scale": run.rate_scale,
         "engines": run.engines,
         "profile": run.profile,
+    }
+
+
+def summarize_cut(run: RunResult, trace: str) -> dict[str, Any]:
+    """The row of a run stopped once its deadline attainment could no longer reach its
+    threshold (`SimReplay(stop_below=...)`): what identifies the run, the verdict's
+    evidence, and none of the metrics, which would describe only the part of the trace
+    that had finished."""
+    return {
+        **_identity(run, trace),
         "workflows": run.units,
         "cut_short": True,
         # simulated time of the cut (the same clock as arrivals)

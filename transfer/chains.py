@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from wasma.transfer.costmodel import LinkTable
 from wasma.transfer.packing import FlowNetwork, Resource, Tree, TreeHop
-from wasma.transfer.rails import widest_path
+from wasma.transfer.rails import widest_next
 
 
 def disjoint_chain(
@@ -43,14 +43,9 @@ def disjoint_chain(
     while todo:
         found = _nearest_at(table, network, here, set(todo), left, rate_Bps)
         if found is None:
-            widest: tuple[float, str, tuple[str, ...]] | None = None
-            for d in todo:
-                path_found = widest_path(network, here, d, left)
-                if path_found is not None and (widest is None or path_found[0] > widest[0]):
-                    widest = (path_found[0], d, path_found[1])
-            if widest is None or not widest[0] > 0:
+            found = widest_next(network, here, todo, left)
+            if found is None:
                 return None
-            found = (widest[1], widest[2])
         d, path = found
         hops.append(TreeHop(here, d, path, len(hops) - 1 if hops else None))
         for key in (*itertools.pairwise(path), *path[1:-1]):

@@ -293,14 +293,10 @@ def spare_chain(
     todo = [d for d in dict.fromkeys(dsts) if d != src]
     used: Counter[Resource] = Counter()
     while todo:
-        best: tuple[float, str, tuple[str, ...]] | None = None
-        for d in todo:
-            found = widest_path(network, here, d, left)
-            if found is not None and (best is None or found[0] > best[0]):
-                best = (found[0], d, found[1])
-        if best is None or not best[0] > 0:
+        best = widest_next(network, here, todo, left)
+        if best is None:
             return None
-        _, d, path = best
+        d, path = best
         hops.append(TreeHop(here, d, path, len(hops) - 1 if hops else None))
         used.update(itertools.pairwise(path))
         used.update(n for n in path[1:-1] if n in network.capacity)
@@ -308,6 +304,21 @@ def spare_chain(
         todo.remove(d)
     tree = tuple(hops)
     return tree, min(left[key] / n for key, n in used.items())
+
+
+def widest_next(
+    network: FlowNetwork, src: str, todo: Sequence[str], left: dict[Resource, float]
+) -> tuple[str, tuple[str, ...]] | None:
+    """The one of `todo` behind the widest path from `src` under `left` (the first in
+    `todo` order among equals), and that path; None where no path has room."""
+    best: tuple[float, str, tuple[str, ...]] | None = None
+    for d in todo:
+        found = widest_path(network, src, d, left)
+        if found is not None and (best is None or found[0] > best[0]):
+            best = (found[0], d, found[1])
+    if best is None or not best[0] > 0:
+        return None
+    return best[1], best[2]
 
 
 def widest_path(
