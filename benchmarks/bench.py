@@ -5,8 +5,9 @@ given, so a user with a Ray cluster sweeps on it). `--sweep` finds each policy's
 capacity: the highest arrival-rate scale whose deadline attainment stays >= 0.9, by
 doubling from 1 until attainment falls, then bisecting to within 3%. A probe of the
 search stops as soon as so many workflows have missed their deadlines that it fails
-whatever follows: its row says `"cut_short": true` and carries no metrics (only its
-verdict is used); `cut_short=False` runs every probe to the end.
+whatever follows: its row says `"cut_short": true`, carries no metrics (only its
+verdict is used) and is written under `"cut_short_runs"` in results.json, beside
+`"runs"`, which keeps only whole runs; `cut_short=False` runs every probe to the end.
 """
 
 from __future__ import annotations
@@ -326,7 +327,12 @@ def bench(
                 capacity.setdefault(Path(trace).name, {})[policy] = scale
     bar.close()
     runs.sort(key=lambda r: (r["trace"], r["policy"], r["rate_scale"]))
-    results: dict[str, Any] = {"runs": runs}
+    # "runs" holds whole runs only, each with every metric of the results format; the
+    # probes cut short (evidence for the sweep's verdicts, no metrics) go beside them.
+    results: dict[str, Any] = {"runs": [r for r in runs if not r.get("cut_short")]}
+    cut = [r for r in runs if r.get("cut_short")]
+    if cut:
+        results["cut_short_runs"] = cut
     if sweep:
         results["capacity"] = capacity
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -22,7 +22,9 @@ COLUMNS = [
 def table(results: dict[str, Any], include_sweep: bool = False) -> str:
     lines: list[str] = []
     by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in results["runs"]:
+    every = [*results["runs"], *results.get("cut_short_runs", [])]
+    every.sort(key=lambda r: (r["trace"], r["policy"], r["rate_scale"]))
+    for r in every:
         if include_sweep or not r.get("sweep"):
             by_trace[r["trace"]].append(r)
     for trace, rows in by_trace.items():

@@ -563,6 +563,9 @@ def test_bench_sweep_cuts_failing_probes_unless_full_probes(tmp_path: Path) -> N
         res[bool(flag)] = json.loads((out / "results.json").read_text())
     assert res[True]["capacity"] == res[False]["capacity"]
     assert not any(r.get("cut_short") for r in res[True]["runs"])
-    cut = [r for r in res[False]["runs"] if r.get("cut_short")]
-    assert cut and all("deadline_attainment" not in r for r in cut)
+    assert "cut_short_runs" not in res[True]
+    # whole runs only in "runs"; the probes cut short beside them
+    assert not any(r.get("cut_short") for r in res[False]["runs"])
+    cut = res[False]["cut_short_runs"]
+    assert cut and all(r["cut_short"] and "deadline_attainment" not in r for r in cut)
     assert all(r["deadline_attainment_max"] < 0.9 for r in cut)

@@ -23,6 +23,28 @@ from wasma.scheduler.workflow import Node, Shared, Unique, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")
 # Metrics of a full row that describe the whole trace; a cut row must carry none.
+# Every run's fields in the results format (DESIGN.md: Results).
+CONTRACT = (
+    "trace",
+    "policy",
+    "rate_scale",
+    "engines",
+    "profile",
+    "workflows",
+    "requests",
+    "duration_s",
+    "goodput_wf_per_s",
+    "deadline_attainment",
+    "p50_workflow_s",
+    "p95_workflow_s",
+    "p99_workflow_s",
+    "p95_request_s",
+    "p95_ttft_s",
+    "prefix_hit_ratio",
+    "recomputed_prompt_tokens",
+    "transferred_bytes",
+    "decision_p99_us",
+)
 METRICS = (
     "requests",
     "duration_s",
@@ -153,7 +175,14 @@ def test_the_sweep_finds_the_same_capacities_with_probes_cut_short(tmp_path: Pat
         )
     assert results[True]["capacity"] == results[False]["capacity"]
     full_runs = results[False]["runs"]
-    cut_runs = results[True]["runs"]
+    assert "cut_short_runs" not in results[False]
+    # "runs" keeps whole runs, each with every field of the results format
+    assert all(set(CONTRACT) <= set(r) for r in results[True]["runs"])
+    assert not any(r.get("cut_short") for r in results[True]["runs"])
+    cut_runs = sorted(
+        [*results[True]["runs"], *results[True]["cut_short_runs"]],
+        key=lambda r: (r["trace"], r["policy"], r["rate_scale"]),
+    )
     key = [(r["trace"], r["policy"], r["rate_scale"]) for r in full_runs]
     assert [(r["trace"], r["policy"], r["rate_scale"]) for r in cut_runs] == key
     assert not any(r.get("cut_short") for r in full_runs)
@@ -170,6 +199,5 @@ def test_the_sweep_finds_the_same_capacities_with_probes_cut_short(tmp_path: Pat
                 k: v for k, v in c.items() if k not in wall
             }
     saved = json.loads((tmp_path / "outTrue" / "results.json").read_text())
-    assert [r.get("cut_short", False) for r in saved["runs"]] == [
-        r.get("cut_short", False) for r in cut_runs
-    ]
+    assert saved["runs"] == results[True]["runs"]
+    assert saved["cut_short_runs"] == results[True]["cut_short_runs"] == marked
