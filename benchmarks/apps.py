@@ -19,7 +19,7 @@ Sizes follow agentic traffic: long inputs, short outputs (tens to a few hundred 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,6 +226,21 @@ def generate(
     slack: float | None = None,
     token_scale: float = 1.0,
 ) -> list[Workflow]:
+    return list(iter_generate(app, workflows, rate, seed, profile, slack, token_scale))
+
+
+def iter_generate(
+    app: str,
+    workflows: int,
+    rate: float,
+    seed: int,
+    profile: Profile,
+    slack: float | None = None,
+    token_scale: float = 1.0,
+) -> Iterator[Workflow]:
+    """`generate`'s workflows one at a time, in arrival order (the same ones): a replay
+    that reads them as they arrive holds only the live ones (100,000 mapreduce
+    workflows are ~1 GiB as a list)."""
     specs = app_specs()
     if app not in specs:
         raise ValueError(f"unknown app {app!r}; choose from: {', '.join(specs)}")
@@ -239,9 +254,21 @@ def generate(
         raise ValueError("--slack must be positive")
     if not 0 < token_scale <= 100:
         raise ValueError("--token-scale must be in (0, 100]")
+    return _draw(app, spec, workflows, rate, seed, profile, factor, token_scale)
+
+
+def _draw(
+    app: str,
+    spec: AppSpec,
+    workflows: int,
+    rate: float,
+    seed: int,
+    profile: Profile,
+    factor: float,
+    token_scale: float,
+) -> Iterator[Workflow]:
     rng = np.random.Generator(np.random.PCG64(seed))
     t = 0.0
-    out = []
     for i in range(workflows):
         t += float(rng.exponential(1.0 / rate))
         wid = f"{app}-{seed}-{i}"
@@ -249,5 +276,4 @@ def generate(
         draft = Workflow.create(wid, app, t, 1.0, nodes)
         # Rounded for a readable trace, but never to 0 (a deadline must be positive).
         deadline = max(round(factor * critical_path_alone_s(draft, profile), 3), 0.001)
-        out.append(Workflow.create(wid, app, round(t, 6), deadline, nodes))
-    return out
+        yield Workflow.create(wid, app, round(t, 6), deadline, nodes)

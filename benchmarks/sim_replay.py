@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,11 +107,17 @@ def topology_pricer(engines: Sequence[str], preset: str = "hgx-h100") -> Transfe
 
 
 class SimReplay:
-    """One simulated run: a trace, a policy, N engines of one profile."""
+    """One simulated run: a trace, a policy, N engines of one profile.
+
+    `workflows` is a collection (replayed in arrival order) or an iterator already in
+    arrival order (`apps.iter_generate`), read one workflow ahead of the clock. Either
+    way the replay lets go of each workflow once it has finished (the dispatcher keeps
+    the last `keep_finished`), so what a long run holds is its live state, not its trace.
+    """
 
     def __init__(
         self,
-        workflows: Sequence[Workflow],
+        workflows: Iterable[Workflow],
         policy: str,
         num_engines: int,
         profile: Profile,
@@ -129,7 +136,13 @@ class SimReplay:
             raise ValueError("need at least one engine")
         if rate_scale <= 0:
             raise ValueError("rate_scale must be positive")
-        self.workflows = sorted(workflows, key=lambda w: w.arrival_s)
+        self._stream: Iterator[Workflow] | None = None
+        self._last_arrival = -float("inf")
+        if isinstance(workflows, Iterator) and stop_below is None:
+            self._stream = workflows
+            self._pending: deque[Workflow] = deque()
+        else:  # (`stop_below` needs every deadline up front)
+            self._pending = deque(sorted(workflows, key=lambda w: w.arrival_s))
         self.profile = profile
         self.rate_scale = rate_scale
         names = [f"e{i}" for i in range(num_engines)]
@@ -206,7 +219,7 @@ class SimReplay:
         self.stop_below = stop_below
         self._deadlines: list[tuple[float, float, float, tuple[str, str]]] = []
         if stop_below is not None:
-            for wf in self.workflows:
+            for wf in self._pending:
                 for nid, nd in wf.nodes.items():
                     if nd.deadline_s is not None:
                         assert nd.arrival_s is not None
@@ -463,10 +476,25 @@ class SimReplay:
             self._submit(wf, node_id, now)
 
     # -- main loop -------------------------------------------------------------------
+    def _next_workflow(self) -> Workflow | None:
+        """The next workflow to arrive, no longer held here (None: none left)."""
+        if self._pending:
+            return self._pending.popleft()
+        if self._stream is None:
+            return None
+        wf = next(self._stream, None)
+        if wf is not None:
+            if wf.arrival_s < self._last_arrival:
+                raise ValueError(
+                    f"workflow {wf.workflow_id} arrives at {wf.arrival_s}, before the one "
+                    f"read ahead of it ({self._last_arrival}): an iterator must be in arrival order"
+                )
+            self._last_arrival = wf.arrival_s
+        return wf
+
     def run(self) -> RunResult:
         t_wall = time.perf_counter()
-        wfs = self.workflows
-        i, n = 0, len(wfs)
+        nxt = self._next_workflow()
         heap = self._heap
         scale = self.rate_scale
         engines, dispatch = self.engines, self.dispatch
@@ -478,8 +506,8 @@ class SimReplay:
         next_due = dl[0][0] if dl else _NEVER
         missed = 0
         cut_at: float | None = None
-        while i < n or heap:
-            next_arrival = wfs[i].arrival_s / scale if i < n else float("inf")
+        while nxt is not None or heap:
+            next_arrival = nxt.arrival_s / scale if nxt is not None else float("inf")
             if leases and leases[0][0] <= min(next_arrival, heap[0][0] if heap else next_arrival):
                 end, _seq, rid = heapq.heappop(leases)
                 self._end_retention(rid, end)
@@ -518,9 +546,10 @@ class SimReplay:
                     self._add(slot, req, now)
             else:
                 now = next_arrival
-                self._arrive(wfs[i], now)
-                i += 1
-            if not heap and self._held and i == n:
+                assert nxt is not None
+                self._arrive(nxt, now)
+                nxt = self._next_workflow()
+            if not heap and self._held and nxt is None:
                 # Nothing runs and nothing arrives that could free capacity: a held
                 # request would wait forever. Policies should not hold for an idle
                 # cluster; this keeps a run finite (and every request completed) if one does.
@@ -530,7 +559,7 @@ class SimReplay:
                 next_due = dl[at][0] if at < len(dl) else _NEVER
                 missed = self._missed
                 # (a run already at its end is left to finish as a full run)
-                if self._doomed() and (i < n or heap):
+                if self._doomed() and (nxt is not None or heap):
                     cut_at = now
                     break
         if self._left and cut_at is None:

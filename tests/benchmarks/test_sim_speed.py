@@ -16,6 +16,14 @@ def test_measure_reports_requests_per_cpu_second_at_a_token_scale() -> None:
         assert row["requests_per_cpu_s"] > 0 and row["engine_steps"] > 0
 
 
+def test_a_streamed_measure_replays_the_same_workflows() -> None:
+    listed = measure("mapreduce", 4, 2.0, 2, "least_loaded", token_scale=0.1)
+    streamed = measure("mapreduce", 4, 2.0, 2, "least_loaded", token_scale=0.1, stream=True)
+    assert streamed["stream"] and not listed["stream"]
+    for key in ("requests", "engine_steps", "engine_steps_per_request"):
+        assert streamed[key] == listed[key]
+
+
 def test_a_token_scale_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--token-scale", "0"])
