@@ -22,45 +22,26 @@ from wasma.scheduler.trace import write_trace
 from wasma.scheduler.workflow import Node, Shared, Unique, Workflow
 
 PROFILE = load_profile("llama3-8b-h100")
+# The metrics of the results format (DESIGN.md: Results), each describing the whole trace.
+DESIGN_METRICS = (
+    "requests",
+    "duration_s",
+    "goodput_wf_per_s",
+    "deadline_attainment",
+    "p50_workflow_s",
+    "p95_workflow_s",
+    "p99_workflow_s",
+    "p95_request_s",
+    "p95_ttft_s",
+    "prefix_hit_ratio",
+    "recomputed_prompt_tokens",
+    "transferred_bytes",
+    "decision_p99_us",
+)
+# Every field a run in "runs" carries in the results format.
+CONTRACT = ("trace", "policy", "rate_scale", "engines", "profile", "workflows", *DESIGN_METRICS)
 # Metrics of a full row that describe the whole trace; a cut row must carry none.
-# Every run's fields in the results format (DESIGN.md: Results).
-CONTRACT = (
-    "trace",
-    "policy",
-    "rate_scale",
-    "engines",
-    "profile",
-    "workflows",
-    "requests",
-    "duration_s",
-    "goodput_wf_per_s",
-    "deadline_attainment",
-    "p50_workflow_s",
-    "p95_workflow_s",
-    "p99_workflow_s",
-    "p95_request_s",
-    "p95_ttft_s",
-    "prefix_hit_ratio",
-    "recomputed_prompt_tokens",
-    "transferred_bytes",
-    "decision_p99_us",
-)
-METRICS = (
-    "requests",
-    "duration_s",
-    "goodput_wf_per_s",
-    "deadline_attainment",
-    "p50_workflow_s",
-    "p95_workflow_s",
-    "p99_workflow_s",
-    "p95_request_s",
-    "p95_ttft_s",
-    "prefix_hit_ratio",
-    "recomputed_prompt_tokens",
-    "transferred_bytes",
-    "decision_p99_us",
-    "preemptions",
-)
+METRICS = (*DESIGN_METRICS, "preemptions")
 
 
 def sessions(n: int = 40) -> list[Workflow]:
