@@ -173,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         ):
             print("  " + line)
+    # The router learned this workflow's DAG from its requests' headers, so it cannot know
+    # that "reduce" was the last node: the workflow is counted (completed, deadline met or
+    # not) once it has been idle past its deadline. A DAG registered ahead of its requests
+    # (POST /v1/workflows) is counted the moment its last node finishes.
+    print(
+        "  (a workflow whose DAG is learned from its requests is counted once idle past "
+        "its deadline, here 120 s; one registered with POST /v1/workflows, when its last "
+        "node finishes)"
+    )
     return 0
 
 
