@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -163,7 +164,9 @@ class GenerateRequest:
         if self.retain_s > 0:
             args[RETAIN_ARG] = self.retain_s
             args[RETAIN_KEY_ARG] = self.retained_as
-            if self.retain_use_s is not None:
+            # Infinity (readers at an unknown time) is what the engine assumes unsaid,
+            # and not a number JSON carries.
+            if self.retain_use_s is not None and math.isfinite(self.retain_use_s):
                 args[RETAIN_USE_ARG] = self.retain_use_s
         if self.release:
             args[RELEASE_ARG] = list(self.release)

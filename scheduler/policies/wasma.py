@@ -157,6 +157,12 @@ class Wasma(Policy):
         # read, as a router cannot know when a user comes back; the lease the apps get
         # (twice the work left) would end long before a next turn comes.
         "session_lease_s": _LEASE_MAX_S,
+        # ...and among such retained contexts, the one kept longest ago is evicted first
+        # (its next turn has kept the user longest, the likeliest never to come), not the
+        # one wanted latest by steps-to-use: a turn's finish estimate says nothing of when
+        # its user answers, and ordering by it evicted the conversation just answered,
+        # whose next turn is the likeliest to come soon. Readers still end it on start.
+        "session_oldest_first": True,
         # Engines with a full CPU tier: weight, in units of a block's prefill, of each
         # block a placement would copy into an engine's tier that another engine's GPU
         # or tier already holds, counted only where the copy overflows the tier (each
@@ -246,6 +252,17 @@ class Wasma(Policy):
         readers = wf.context_readers(req.node_id)
         later = bool(readers) and all(wf.nodes[r].arrival_s is not None for r in readers)
         return remaining.get(req.node_id), bool(readers), later
+
+    def _use_s(self, est: float, reused: bool, later: bool) -> float | None:
+        """Steps-to-use of a retention: its readers can start once it finishes, and the
+        estimate is when; a session's next turn at an unknown time (infinity: the engine
+        keeps such contexts in the order they were kept, the oldest evicted first)."""
+        p = self.p
+        if not reused or not p["retain_by_use"]:
+            return None
+        if later and p["session_oldest_first"]:
+            return math.inf
+        return est
 
     def _priority(self, req: RequestInfo, rem: float | None, now: float) -> int:
         if not self.p["priority"]:
@@ -541,8 +558,7 @@ class Wasma(Policy):
             transfer=transfer,
             retain=bool(p["retain"]) and reused,
             retain_s=lease,
-            # Its readers can start once it finishes: the estimate is when.
-            retain_use_s=est if reused and p["retain_by_use"] else None,
+            retain_use_s=self._use_s(est, reused, later),
             estimated_finish_s=now + est,
             prefetch=tier is not None and prefetch,
         )

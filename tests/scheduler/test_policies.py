@@ -601,6 +601,44 @@ def test_wasma_says_when_retained_context_is_next_wanted(by_use: bool) -> None:
     assert not child.retain and child.retain_use_s is None
 
 
+@pytest.mark.parametrize("oldest_first", [True, False])
+def test_wasma_retains_a_conversation_turn_for_its_next_turn(oldest_first: bool) -> None:
+    """A turn whose next turn arrives on its own (a user answering) is retained for the
+    session lease; its steps-to-use is unknown (infinity: kept contexts of this kind go
+    oldest first), or with `session_oldest_first` off its own finish estimate. Either
+    way the retention is one its reader ends on start (a use time is given)."""
+    ctx = make_ctx(n=2, params={"session_oldest_first": oldest_first})
+    p = policy("wasma", ctx)
+    wf = Workflow.create(
+        "conv",
+        "chat",
+        0.0,
+        1000.0,
+        [
+            Node("t0", (), 200, (Unique(1000),)),
+            Node("t1", ("t0",), 200, (ContextOf("t0"), Unique(100)), 120.0, 60.0),
+        ],
+    )
+    ctx.workflows.register(wf, 0.0)
+    turn = p.place(req("conv/t0", list(range(60)), 1000, 200, "conv", "t0", 1000.0), 5.0)
+    assert turn.retain and turn.retain_s == p.p["session_lease_s"]
+    assert turn.estimated_finish_s is not None
+    if oldest_first:
+        assert turn.retain_use_s == float("inf")
+    else:
+        assert turn.retain_use_s == pytest.approx(turn.estimated_finish_s - 5.0)
+
+
+def test_an_unknown_use_time_is_not_sent_to_the_engine() -> None:
+    """vLLM's retaining scheduler reads a missing steps-to-use as infinity; JSON has no
+    infinity to send."""
+    from wasma.engines.base import RETAIN_USE_ARG, GenerateRequest
+
+    base = GenerateRequest("r", [1, 2, 3], 4, retain_s=600.0)
+    assert RETAIN_USE_ARG not in replace(base, retain_use_s=float("inf")).retention_args()
+    assert replace(base, retain_use_s=2.5).retention_args()[RETAIN_USE_ARG] == 2.5
+
+
 def spread_siblings(broadcast: bool, relay: bool) -> list[Placement]:
     """Three requests sharing a 200-block prefix that only a busy e0 holds."""
     from wasma.transfer import BandwidthPricer
