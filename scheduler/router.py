@@ -86,16 +86,22 @@ class Router:
             if hashes:
                 self._inflight[req.request_id] = (name, hashes)
                 self.ctx.inflight.apply(BlockStored(name, hashes, None))
-        extends = self.ctx.workflows.mark_submitted(
-            req.workflow_id,
-            req.node_id,
-            placement.engine,
-            now,
-            req.block_hashes,
-            req.parents,
-            self._alone_s(req.prompt_tokens, req.max_tokens),
-        )
-        wst = self.ctx.workflows.get(req.workflow_id)
+        # One lookup of the workflow for both (`WorkflowRegistry.mark_submitted`, then
+        # `get`): a finished one records nothing but still names its DAG.
+        registry = self.ctx.workflows
+        wst = registry.active.get(req.workflow_id)
+        if wst is not None:
+            extends = wst.mark_submitted(
+                req.node_id,
+                placement.engine,
+                now,
+                req.block_hashes,
+                req.parents,
+                self._alone_s(req.prompt_tokens, req.max_tokens),
+            )
+        else:
+            extends = []
+            wst = registry.finished.get(req.workflow_id)
         self.retention.placed(
             wst.workflow if wst is not None else None,
             req.workflow_id,
@@ -144,8 +150,13 @@ class Router:
 
     def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
         """A request finished; returns the workflow's children that became ready."""
+        self.request_ended(request_id, now)
+        return self.ctx.workflows.mark_finished(workflow_id, node_id, now)
+
+    def request_ended(self, request_id: str, now: float) -> None:
+        """`on_finish` up to the workflow's own record (`WorkflowRegistry.mark_finished`),
+        for a caller that looked the workflow up already."""
         self.ctx.state.on_finish(request_id)
         self.ctx.estimates.finished(request_id, now)
         self._forget_inflight(request_id)
         self.retention.finished(request_id)
-        return self.ctx.workflows.mark_finished(workflow_id, node_id, now)
