@@ -20,7 +20,6 @@ from wasma.scheduler.policy import (
     RequestInfo,
 )
 from wasma.scheduler.retention import RetentionTracker
-from wasma.scheduler.state import Charge
 
 
 class Router:
@@ -62,12 +61,14 @@ class Router:
         if placement.estimated_finish_s is not None:
             self.ctx.estimates.placed(req.request_id, now, placement.estimated_finish_s - now)
         bs = self.ctx.block_size
-        charge = Charge(
-            blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),
-            prefill_tokens=max(req.prompt_tokens - placement.hit_blocks * bs, 0),
-            decode_tokens=req.max_tokens,
+        # (a `Charge`, given as its fields)
+        self.ctx.state.dispatched(
+            req.request_id,
+            placement.engine,
+            -(-(req.prompt_tokens + req.max_tokens) // bs),
+            max(req.prompt_tokens - placement.hit_blocks * bs, 0),
+            req.max_tokens,
         )
-        self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
         name = self.ctx.state.loads[placement.engine].name
         tr = placement.transfer
         if tr is not None and self.ctx.copies is not None:
