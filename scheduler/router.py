@@ -86,7 +86,7 @@ class Router:
             hashes = tuple(req.block_hashes)
             if hashes:
                 self._inflight[req.request_id] = (name, hashes)
-                self.ctx.inflight.apply(BlockStored(name, hashes, None))
+                self.ctx.inflight.store(name, hashes)
         # One lookup of the workflow for both (`WorkflowRegistry.mark_submitted`, then
         # `get`): a finished one records nothing but still names its DAG.
         registry = self.ctx.workflows
@@ -130,13 +130,18 @@ class Router:
     def on_kv_event(self, event: KVEvent) -> None:
         # An engine's CPU tier (vLLM's offloading, medium "CPU") is indexed apart from
         # its GPU pool: a hit there costs a load, not nothing.
-        medium = getattr(event, "medium", None)
-        if medium is not None and medium.upper() == "CPU":
+        # (`PrefixIndex.apply` of the two common events, its dispatch done here)
+        if isinstance(event, AllBlocksCleared):
+            self.ctx.index.apply(event)
             self.ctx.cpu_index.apply(event)
             return
-        self.ctx.index.apply(event)
-        if isinstance(event, AllBlocksCleared):
-            self.ctx.cpu_index.apply(event)
+        medium = event.medium
+        cpu = medium is not None and medium.upper() == "CPU"
+        index = self.ctx.cpu_index if cpu else self.ctx.index
+        if isinstance(event, BlockStored):
+            index.store(event.engine, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            index.remove(event.engine, event.block_hashes)
 
     def on_first_token(self, request_id: str) -> None:
         self.ctx.state.on_first_token(request_id)
@@ -147,7 +152,7 @@ class Router:
         # Once a request started, the engine's own KV events say where its blocks are.
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
-            self.ctx.inflight.apply(BlockRemoved(entry[0], entry[1]))
+            self.ctx.inflight.remove(entry[0], entry[1])
 
     def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
         """A request finished; returns the workflow's children that became ready."""
