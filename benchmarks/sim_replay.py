@@ -274,7 +274,8 @@ class SimReplay:
         bs = self.profile.block_size
         full = self.hasher.chain(wf.context_span(node_id))
         prompt_tokens = wf.prompt_tokens(node_id)
-        output = wf.nodes[node_id].output_tokens
+        own = wf.nodes[node_id]
+        output = own.output_tokens
         rid = f"{wf.workflow_id}/{node_id}"
         wst = self.ctx.workflows.get(wf.workflow_id)
         if wst is None and not self.register_dags:
@@ -284,7 +285,6 @@ class SimReplay:
                 wf.workflow_id, wf.app, wf.deadline_s, wf.arrival_s / self.rate_scale, track=False
             )
         deadline = wst.deadline_s if wst is not None else float("inf")
-        own = wf.nodes[node_id]
         if own.deadline_s is not None:
             assert own.arrival_s is not None  # checked together by Workflow.create
             deadline = own.arrival_s / self.rate_scale + own.deadline_s
@@ -298,7 +298,7 @@ class SimReplay:
             block_hashes=full[: prompt_tokens // bs],
             arrival_s=now,
             deadline_s=deadline,
-            parents=wf.nodes[node_id].parents,
+            parents=own.parents,
         )
         # Engines in a macro step bring their KV (and its events) up to now first.
         engines = self.engines

@@ -340,11 +340,21 @@ class Dispatcher:
 
     def finish(self, request_id: str, key: str, node_id: str, now: float) -> Finished:
         """Request `request_id` (node `node_id` of workflow `key`) ended."""
-        before = self.ctx.workflows.active.get(key)
+        # `router.on_finish` with the workflow looked up once: what it finds is the
+        # workflow `mark_finished` records the node in, and the one this request ended
+        # if that closed it (it is then where `get` finds it, unless already forgotten).
+        registry = self.ctx.workflows
+        before = registry.active.get(key)
         registered = before is not None and before.workflow is not None
-        ready = self.router.on_finish(request_id, key, node_id, now)
-        wst = self.ctx.workflows.get(key) if registered else None
-        ended = wst if wst is not None and wst.finished_s == now else None
+        self.router.request_ended(request_id, now)
+        if before is None:
+            return Finished([], registered, None)
+        ready = registry.mark_finished_in(key, before, node_id, now)
+        ended = (
+            before
+            if registered and before.finished_s == now and registry.get(key) is before
+            else None
+        )
         return Finished(ready, registered, ended)
 
     @property

@@ -42,45 +42,57 @@ class PrefixIndex:
             self.blocks_per_engine.append(0)
 
     def apply(self, event: KVEvent) -> None:
-        slot = self._slot.get(event.engine)
+        if isinstance(event, BlockStored):
+            self.store(event.engine, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self.remove(event.engine, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.remove_engine_blocks(event.engine)
+
+    def store(self, engine: str, hashes: Sequence[int]) -> None:
+        """`apply(BlockStored(engine, hashes, ...))`, without the event built (the router
+        stores every placed prompt in its in-flight index)."""
+        slot = self._slot.get(engine)
         if slot is None:
             return
         bit = 1 << slot
         holders = self._holders
-        if isinstance(event, BlockStored):
-            hashes = event.block_hashes
-            if len(hashes) == 1:  # a decode step filled one block: skip the bulk setup
-                h = hashes[0]
-                mask = holders.get(h, 0)
-                if not mask & bit:
-                    holders[h] = mask | bit
-                    self.blocks_per_engine[slot] += 1
-                    if not mask and len(holders) > self.max_blocks:
-                        self._trim()
-                return
-            before = len(holders)
-            # Insertion order approximates recency: a hash re-enters at the end only
-            # after every engine dropped it, which keeps stores O(1) without move_to_end.
-            had = self._ops.or_bits(holders, hashes, bit)
-            self.blocks_per_engine[slot] += len(hashes) - had
-            if len(holders) > self.max_blocks and len(holders) > before:
-                self._trim()
-        elif isinstance(event, BlockRemoved):
-            hashes = event.block_hashes
-            if len(hashes) == 1:
-                h = hashes[0]
-                held = holders.get(h)
-                if held is not None and held & bit:
-                    held &= ~bit
-                    if held:
-                        holders[h] = held
-                    else:
-                        del holders[h]
-                    self.blocks_per_engine[slot] -= 1
-                return
-            self.blocks_per_engine[slot] -= self._ops.clear_bits(holders, hashes, bit)
-        elif isinstance(event, AllBlocksCleared):
-            self.remove_engine_blocks(event.engine)
+        if len(hashes) == 1:  # a decode step filled one block: skip the bulk setup
+            h = hashes[0]
+            mask = holders.get(h, 0)
+            if not mask & bit:
+                holders[h] = mask | bit
+                self.blocks_per_engine[slot] += 1
+                if not mask and len(holders) > self.max_blocks:
+                    self._trim()
+            return
+        before = len(holders)
+        # Insertion order approximates recency: a hash re-enters at the end only
+        # after every engine dropped it, which keeps stores O(1) without move_to_end.
+        had = self._ops.or_bits(holders, hashes, bit)
+        self.blocks_per_engine[slot] += len(hashes) - had
+        if len(holders) > self.max_blocks and len(holders) > before:
+            self._trim()
+
+    def remove(self, engine: str, hashes: Sequence[int]) -> None:
+        """`apply(BlockRemoved(engine, hashes))`, without the event built."""
+        slot = self._slot.get(engine)
+        if slot is None:
+            return
+        bit = 1 << slot
+        holders = self._holders
+        if len(hashes) == 1:
+            h = hashes[0]
+            held = holders.get(h)
+            if held is not None and held & bit:
+                held &= ~bit
+                if held:
+                    holders[h] = held
+                else:
+                    del holders[h]
+                self.blocks_per_engine[slot] -= 1
+            return
+        self.blocks_per_engine[slot] -= self._ops.clear_bits(holders, hashes, bit)
 
     def remove_engine_blocks(self, engine: str) -> None:
         """Forget everything an engine held (it died or reset its cache)."""

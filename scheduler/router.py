@@ -20,7 +20,6 @@ from wasma.scheduler.policy import (
     RequestInfo,
 )
 from wasma.scheduler.retention import RetentionTracker
-from wasma.scheduler.state import Charge
 
 
 class Router:
@@ -62,12 +61,14 @@ class Router:
         if placement.estimated_finish_s is not None:
             self.ctx.estimates.placed(req.request_id, now, placement.estimated_finish_s - now)
         bs = self.ctx.block_size
-        charge = Charge(
-            blocks=-(-(req.prompt_tokens + req.max_tokens) // bs),
-            prefill_tokens=max(req.prompt_tokens - placement.hit_blocks * bs, 0),
-            decode_tokens=req.max_tokens,
+        # (a `Charge`, given as its fields)
+        self.ctx.state.dispatched(
+            req.request_id,
+            placement.engine,
+            -(-(req.prompt_tokens + req.max_tokens) // bs),
+            max(req.prompt_tokens - placement.hit_blocks * bs, 0),
+            req.max_tokens,
         )
-        self.ctx.state.on_dispatch(req.request_id, placement.engine, charge)
         name = self.ctx.state.loads[placement.engine].name
         tr = placement.transfer
         if tr is not None and self.ctx.copies is not None:
@@ -85,17 +86,23 @@ class Router:
             hashes = tuple(req.block_hashes)
             if hashes:
                 self._inflight[req.request_id] = (name, hashes)
-                self.ctx.inflight.apply(BlockStored(name, hashes, None))
-        extends = self.ctx.workflows.mark_submitted(
-            req.workflow_id,
-            req.node_id,
-            placement.engine,
-            now,
-            req.block_hashes,
-            req.parents,
-            self._alone_s(req.prompt_tokens, req.max_tokens),
-        )
-        wst = self.ctx.workflows.get(req.workflow_id)
+                self.ctx.inflight.store(name, hashes)
+        # One lookup of the workflow for both (`WorkflowRegistry.mark_submitted`, then
+        # `get`): a finished one records nothing but still names its DAG.
+        registry = self.ctx.workflows
+        wst = registry.active.get(req.workflow_id)
+        if wst is not None:
+            extends = wst.mark_submitted(
+                req.node_id,
+                placement.engine,
+                now,
+                req.block_hashes,
+                req.parents,
+                self._alone_s(req.prompt_tokens, req.max_tokens),
+            )
+        else:
+            extends = []
+            wst = registry.finished.get(req.workflow_id)
         self.retention.placed(
             wst.workflow if wst is not None else None,
             req.workflow_id,
@@ -123,13 +130,18 @@ class Router:
     def on_kv_event(self, event: KVEvent) -> None:
         # An engine's CPU tier (vLLM's offloading, medium "CPU") is indexed apart from
         # its GPU pool: a hit there costs a load, not nothing.
-        medium = getattr(event, "medium", None)
-        if medium is not None and medium.upper() == "CPU":
+        # (`PrefixIndex.apply` of the two common events, its dispatch done here)
+        if isinstance(event, AllBlocksCleared):
+            self.ctx.index.apply(event)
             self.ctx.cpu_index.apply(event)
             return
-        self.ctx.index.apply(event)
-        if isinstance(event, AllBlocksCleared):
-            self.ctx.cpu_index.apply(event)
+        medium = event.medium
+        cpu = medium is not None and medium.upper() == "CPU"
+        index = self.ctx.cpu_index if cpu else self.ctx.index
+        if isinstance(event, BlockStored):
+            index.store(event.engine, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            index.remove(event.engine, event.block_hashes)
 
     def on_first_token(self, request_id: str) -> None:
         self.ctx.state.on_first_token(request_id)
@@ -140,12 +152,17 @@ class Router:
         # Once a request started, the engine's own KV events say where its blocks are.
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
-            self.ctx.inflight.apply(BlockRemoved(entry[0], entry[1]))
+            self.ctx.inflight.remove(entry[0], entry[1])
 
     def on_finish(self, request_id: str, workflow_id: str, node_id: str, now: float) -> list[str]:
         """A request finished; returns the workflow's children that became ready."""
+        self.request_ended(request_id, now)
+        return self.ctx.workflows.mark_finished(workflow_id, node_id, now)
+
+    def request_ended(self, request_id: str, now: float) -> None:
+        """`on_finish` up to the workflow's own record (`WorkflowRegistry.mark_finished`),
+        for a caller that looked the workflow up already."""
         self.ctx.state.on_finish(request_id)
         self.ctx.estimates.finished(request_id, now)
         self._forget_inflight(request_id)
         self.retention.finished(request_id)
-        return self.ctx.workflows.mark_finished(workflow_id, node_id, now)

@@ -53,7 +53,9 @@ class ClusterState:
             for i, name in enumerate(engines)
         ]
         self._slot = {name: i for i, name in enumerate(engines)}
-        self._charges: dict[str, tuple[int, Charge]] = {}
+        # request id -> [slot, blocks, prefill tokens, decode tokens]: its `Charge`, as a
+        # list the first token updates in place (two of them a request otherwise)
+        self._charges: dict[str, list[int]] = {}
         self._neighbours: list[list[int]] | None = None
         self._healthy: list[int] | None = None  # healthy slots, until health changes
 
@@ -89,33 +91,40 @@ class ClusterState:
         return self._neighbours
 
     def on_dispatch(self, request_id: str, slot: int, charge: Charge) -> None:
+        self.dispatched(
+            request_id, slot, charge.blocks, charge.prefill_tokens, charge.decode_tokens
+        )
+
+    def dispatched(
+        self, request_id: str, slot: int, blocks: int, prefill_tokens: int, decode_tokens: int
+    ) -> None:
+        """`on_dispatch` of `Charge(blocks, prefill_tokens, decode_tokens)`, not built."""
         load = self.loads[slot]
         load.outstanding += 1
         load.dispatched_total += 1
-        load.active_blocks += charge.blocks
-        load.pending_prefill_tokens += charge.prefill_tokens
-        load.pending_decode_tokens += charge.decode_tokens
-        self._charges[request_id] = (slot, charge)
+        load.active_blocks += blocks
+        load.pending_prefill_tokens += prefill_tokens
+        load.pending_decode_tokens += decode_tokens
+        self._charges[request_id] = [slot, blocks, prefill_tokens, decode_tokens]
 
     def on_first_token(self, request_id: str) -> None:
         entry = self._charges.get(request_id)
         if entry is None:
             return
-        slot, charge = entry
-        if charge.prefill_tokens:
-            self.loads[slot].pending_prefill_tokens -= charge.prefill_tokens
-            self._charges[request_id] = (slot, Charge(charge.blocks, 0, charge.decode_tokens))
+        if entry[2]:
+            self.loads[entry[0]].pending_prefill_tokens -= entry[2]
+            entry[2] = 0
 
     def on_finish(self, request_id: str) -> None:
         entry = self._charges.pop(request_id, None)
         if entry is None:
             return
-        slot, charge = entry
+        slot, blocks, prefill_tokens, decode_tokens = entry
         load = self.loads[slot]
         load.outstanding -= 1
-        load.active_blocks -= charge.blocks
-        load.pending_prefill_tokens -= charge.prefill_tokens
-        load.pending_decode_tokens -= charge.decode_tokens
+        load.active_blocks -= blocks
+        load.pending_prefill_tokens -= prefill_tokens
+        load.pending_decode_tokens -= decode_tokens
 
     def on_stats(self, slot: int, stats: EngineStats) -> None:
         self.on_load(

@@ -289,7 +289,7 @@ class Workflow:
             else:
                 pieces.extend(self._spans[seg.node])
                 pieces.append(self.output_piece(seg.node))
-        return tuple(p for p in pieces if p.length)
+        return tuple([p for p in pieces if p.length])
 
     def context_span(self, node_id: str) -> Span:
         """The node's prompt followed by its output."""

@@ -105,6 +105,58 @@ class WorkflowState:
             (st := nodes.get(c)) is None or st.finished_s is None for c in wf.child_ids(node_id)
         )
 
+    def mark_submitted(
+        self,
+        node_id: str,
+        engine: int,
+        now: float,
+        block_hashes: Sequence[int] = (),
+        parents: Sequence[str] = (),
+        alone_s: float = 0.0,
+    ) -> list[str]:
+        """Record a node's request; returns the earlier nodes whose context its prompt
+        extends (the requests reading their KV). (The router calls it on the state it
+        looked up once for the request.)"""
+        ns = self.node(node_id)
+        ns.engine = engine
+        ns.submitted_s = now
+        ns.parents = tuple(parents)
+        ns.alone_s = alone_s
+        if ns.last_prompt_hash is not None:  # submitted again (a failover)
+            self.ends[ns.last_prompt_hash].remove(node_id)
+        ns.prompt_blocks = len(block_hashes)
+        ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
+        # Whose context does this prompt extend? Any earlier node of the workflow, not
+        # only a named parent: a loop's next round continues a conversation it does not
+        # name (an engineer's second round names the review). Chain hashes make each a
+        # single compare: node by node, or block by block through `ends` when the
+        # workflow has more nodes than the prompt has blocks.
+        n = len(block_hashes)
+        nodes = self.nodes
+        extended: list[str] = []
+        if len(nodes) <= n:
+            for other, ps in nodes.items():
+                k = ps.prompt_blocks
+                if (
+                    other != node_id
+                    and ps.last_prompt_hash is not None
+                    and n > k
+                    and block_hashes[k - 1] == ps.last_prompt_hash
+                ):
+                    extended.append(other)
+        else:
+            ends = self.ends
+            for i in range(n - 1):
+                for other in ends.get(block_hashes[i], ()):
+                    if nodes[other].prompt_blocks == i + 1:
+                        extended.append(other)
+            extended.sort(key=lambda other: nodes[other].seq)
+        for other in extended:
+            nodes[other].context_reused = True
+        if ns.last_prompt_hash is not None:
+            self.ends.setdefault(ns.last_prompt_hash, []).append(node_id)
+        return extended
+
     @property
     def done(self) -> bool:
         wf = self.workflow
@@ -159,55 +211,25 @@ class WorkflowRegistry:
         alone_s: float = 0.0,
     ) -> list[str]:
         """Record a node's request; returns the earlier nodes whose context its prompt
-        extends (the requests reading their KV)."""
+        extends (the requests reading their KV). `WorkflowState.mark_submitted`, for a
+        workflow in flight ([] for any other)."""
         st = self.active.get(workflow_id)
         if st is None:
             return []
-        ns = st.node(node_id)
-        ns.engine = engine
-        ns.submitted_s = now
-        ns.parents = tuple(parents)
-        ns.alone_s = alone_s
-        if ns.last_prompt_hash is not None:  # submitted again (a failover)
-            st.ends[ns.last_prompt_hash].remove(node_id)
-        ns.prompt_blocks = len(block_hashes)
-        ns.last_prompt_hash = block_hashes[-1] if block_hashes else None
-        # Whose context does this prompt extend? Any earlier node of the workflow, not
-        # only a named parent: a loop's next round continues a conversation it does not
-        # name (an engineer's second round names the review). Chain hashes make each a
-        # single compare: node by node, or block by block through `ends` when the
-        # workflow has more nodes than the prompt has blocks.
-        n = len(block_hashes)
-        nodes = st.nodes
-        extended: list[str] = []
-        if len(nodes) <= n:
-            for other, ps in nodes.items():
-                k = ps.prompt_blocks
-                if (
-                    other != node_id
-                    and ps.last_prompt_hash is not None
-                    and n > k
-                    and block_hashes[k - 1] == ps.last_prompt_hash
-                ):
-                    extended.append(other)
-        else:
-            ends = st.ends
-            for i in range(n - 1):
-                for other in ends.get(block_hashes[i], ()):
-                    if nodes[other].prompt_blocks == i + 1:
-                        extended.append(other)
-            extended.sort(key=lambda other: nodes[other].seq)
-        for other in extended:
-            nodes[other].context_reused = True
-        if ns.last_prompt_hash is not None:
-            st.ends.setdefault(ns.last_prompt_hash, []).append(node_id)
-        return extended
+        return st.mark_submitted(node_id, engine, now, block_hashes, parents, alone_s)
 
     def mark_finished(self, workflow_id: str, node_id: str, now: float) -> list[str]:
         """Record a node's end; returns children that became ready."""
         st = self.active.get(workflow_id)
         if st is None:
             return []
+        return self.mark_finished_in(workflow_id, st, node_id, now)
+
+    def mark_finished_in(
+        self, workflow_id: str, st: WorkflowState, node_id: str, now: float
+    ) -> list[str]:
+        """`mark_finished` given the workflow's state, `active[workflow_id]`, which the
+        caller looked up already."""
         st.node(node_id).finished_s = now
         ready = st.ready_children(node_id)
         # A workflow is done once every node has finished: a child of this node still

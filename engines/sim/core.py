@@ -97,7 +97,9 @@ def _next_due(req: SimRequest, block_size: int) -> int:
     """The first sub-step count of a macro step at which `req` needs a new block (its
     tokens pass its blocks) or caches one (its tokens fill another block)."""
     c0 = req.num_computed_tokens
-    return min(len(req.blocks) * block_size - c0 + 1, (req.num_cached_blocks + 1) * block_size - c0)
+    grow = len(req.blocks) * block_size - c0 + 1
+    fill = (req.num_cached_blocks + 1) * block_size - c0
+    return grow if grow < fill else fill  # (min, without the call)
 
 
 class SimEngineCore:
@@ -302,7 +304,8 @@ class SimEngineCore:
             return False
         if need > 0:
             req.blocks.extend(kv.allocate(need))
-        full = min(total, req.num_prompt_tokens + req.num_output_tokens) // bs
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        full = (total if total < num_tokens else num_tokens) // bs
         if full > req.num_cached_blocks:
             # Hits are the request's first blocks (it held none before): cached already.
             known = num_hits if req.num_cached_blocks == 0 else 0
@@ -366,7 +369,7 @@ class SimEngineCore:
             total = req.num_computed_tokens + num_new
             if (
                 total <= len(req.blocks) * bs
-                and min(total, num_tokens) // bs <= req.num_cached_blocks
+                and (total if total < num_tokens else num_tokens) // bs <= req.num_cached_blocks
             ):
                 # Fits the blocks it holds and fills none (most decode steps): `_allocate`
                 # would change nothing.
@@ -421,7 +424,8 @@ class SimEngineCore:
                 num_new = req.num_tokens - req.num_computed_tokens - len(hits) * bs
                 if 0 < threshold < num_new:
                     num_new = threshold
-                num_new = min(num_new, budget)
+                if num_new > budget:
+                    num_new = budget
                 if not self._allocate(req, num_new, hits):
                     if running or not self._unpin_waiting(req):
                         break
@@ -501,7 +505,7 @@ class SimEngineCore:
     def _macro_len(self) -> int:
         """Decode steps the current batch can take before a request finishes or KV runs
         out (the first step's blocks are already allocated)."""
-        kmax = min(r.max_tokens - r.num_output_tokens for r in self.running)
+        kmax = min([r.max_tokens - r.num_output_tokens for r in self.running])
         if kmax <= 1:
             return kmax
         free, bs = self.kv.num_free, self.block_size

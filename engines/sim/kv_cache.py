@@ -151,7 +151,19 @@ class KVCache:
         """Take free blocks (given in chain order) out of the queue, keeping the order
         of the rest. A prefix hit takes the head of each run it meets (one run, unless
         the prefix was freed by several requests), which is a C-level slice delete."""
-        for run, group in groupby(blocks, self._run_of.__getitem__):
+        run_of = self._run_of
+        first = run_of[blocks[0]]
+        k = len(blocks)
+        if first is not None and first[:k] == blocks:
+            # All of them head one run (a free block sits in one run only): the common
+            # case, without the grouping below.
+            del first[:k]
+            if type(first) is _KeptRun:
+                self._num_kept -= k
+            else:
+                self._num_plain -= k
+            return
+        for run, group in groupby(blocks, run_of.__getitem__):
             assert run is not None
             seg = list(group)
             k = len(seg)

@@ -435,7 +435,9 @@ class Wasma(Policy):
             # A sibling placed here computes the shared head this request would hit: that
             # prefill is this request's own, not extra queue in front of it.
             overlay = (hit - real[s]) * bs
-            queued = max(0, load.pending_prefill_tokens - overlay) * c_pre if load_aware else 0.0
+            waiting = load.pending_prefill_tokens - overlay
+            # (`max(0, waiting)`, without the call: every engine, every request)
+            queued = (waiting if waiting > 0 else 0) * c_pre if load_aware else 0.0
             uncached = req.prompt_tokens - hit * bs
             eff = hit  # blocks it need not compute: GPU hits, then CPU-tier loads
             if tier is not None and min(tier[s], max_hit) > hit:

@@ -187,6 +187,32 @@ def test_capped_index_is_a_consistent_subset(
     assert all(g <= f for g, f in zip(got, full, strict=True))
 
 
+@settings(max_examples=150, deadline=None, database=None)
+@given(events=st.lists(event_st, max_size=40), cap=st.integers(1, 20))
+def test_store_and_remove_are_the_events_applied(
+    events: list[tuple[str, str, list[int]]], cap: int
+) -> None:
+    """`store` / `remove` (what the router calls for its in-flight index) leave the index
+    as `apply` of the same events does: same entries in the same (eviction) order."""
+    by_event = PrefixIndex(ENGINES, max_blocks=cap)
+    direct = PrefixIndex(ENGINES, max_blocks=cap)
+    for kind, eng, hs in events:
+        if kind == "store":
+            by_event.apply(stored(eng, *hs))
+            direct.store(eng, tuple(hs))
+        elif kind == "remove":
+            by_event.apply(removed(eng, *hs))
+            direct.remove(eng, tuple(hs))
+        else:
+            by_event.apply(AllBlocksCleared(eng))
+            direct.remove_engine_blocks(eng)
+        assert list(direct._holders.items()) == list(by_event._holders.items())
+        assert direct.blocks_per_engine == by_event.blocks_per_engine
+    direct.store("nobody", (1, 2))  # an engine it does not know: ignored, as by `apply`
+    direct.remove("nobody", (1,))
+    assert list(direct._holders.items()) == list(by_event._holders.items())
+
+
 def test_match_long_chains_across_lookup_chunks() -> None:
     """`match` looks blocks up in growing chunks; depths on either side of a chunk
     boundary must come out exact."""
