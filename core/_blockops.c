@@ -57,6 +57,32 @@ check_dict(PyObject *d)
     return 0;
 }
 
+/* The prefix index's holder map: a dict, or the OrderedDict it becomes once trimmed
+ * (its least recent entries dropped first). Reads go through the dict either way (an
+ * OrderedDict is one); writes to an OrderedDict must go through its own setitem and
+ * delitem, which keep its order. */
+static int
+check_holders(PyObject *d)
+{
+    if (!PyDict_CheckExact(d) && !PyODict_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "expected a dict or an OrderedDict");
+        return -1;
+    }
+    return 0;
+}
+
+static inline int
+holders_set(PyObject *d, PyObject *key, PyObject *value)
+{
+    return PyDict_CheckExact(d) ? PyDict_SetItem(d, key, value) : PyObject_SetItem(d, key, value);
+}
+
+static inline int
+holders_del(PyObject *d, PyObject *key)
+{
+    return PyDict_CheckExact(d) ? PyDict_DelItem(d, key) : PyObject_DelItem(d, key);
+}
+
 /* A mask as a C long when it is an exact int that fits (the masks of clusters up to 62
  * engines); -1 otherwise (the generic number protocol handles it). */
 static inline long
@@ -355,7 +381,7 @@ or_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *d = args[0], *bit = args[2];
-    if (check_dict(d) < 0)
+    if (check_holders(d) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
@@ -398,7 +424,7 @@ or_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
     }
     for (Py_ssize_t j = 0; j < n; j++) {
-        if (PyDict_SetItem(d, items[j], next[j]) < 0) {
+        if (holders_set(d, items[j], next[j]) < 0) {
             for (Py_ssize_t r = j; r < n; r++)
                 Py_DECREF(next[r]);
             k = 0;
@@ -427,7 +453,7 @@ clear_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *d = args[0], *bit = args[2];
-    if (check_dict(d) < 0)
+    if (check_holders(d) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)
@@ -453,12 +479,12 @@ clear_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 continue;
             removed++;
             if (mm == sbit) {
-                if (PyDict_DelItem(d, items[k]) < 0)
+                if (holders_del(d, items[k]) < 0)
                     goto fail;
                 continue;
             }
             PyObject *left = PyLong_FromLong(mm & ~sbit);
-            int rc = left == NULL ? -1 : PyDict_SetItem(d, items[k], left);
+            int rc = left == NULL ? -1 : holders_set(d, items[k], left);
             Py_XDECREF(left);
             if (rc < 0)
                 goto fail;
@@ -478,8 +504,8 @@ clear_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (left == NULL)
             goto fail;
         int keep = PyObject_IsTrue(left);
-        int rc = keep > 0 ? PyDict_SetItem(d, items[k], left)
-                          : (keep == 0 ? PyDict_DelItem(d, items[k]) : -1);
+        int rc = keep > 0 ? holders_set(d, items[k], left)
+                          : (keep == 0 ? holders_del(d, items[k]) : -1);
         Py_DECREF(left);
         if (rc < 0)
             goto fail;
@@ -504,7 +530,7 @@ match_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *d = args[0];
-    if (check_dict(d) < 0)
+    if (check_holders(d) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (seq == NULL)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
 
-from wasma.core.blockops import BlockOps, PythonBlockOps, block_ops
+from wasma.core.blockops import BlockOps, block_ops
 from wasma.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -111,10 +111,10 @@ class PrefixIndex:
     def _trim(self) -> None:
         holders = self._holders
         if not isinstance(holders, OrderedDict):
+            # Least recent first out, one at a time: an OrderedDict pops its oldest in
+            # O(1) and keeps a dict's insertion order (the compiled operations write to
+            # it through its own setitem and delitem).
             holders = self._holders = OrderedDict(holders)
-            # The compiled operations take plain dicts only (they would bypass the
-            # OrderedDict's own order).
-            self._ops = PythonBlockOps()
         while len(holders) > self.max_blocks:
             _h, mask = holders.popitem(last=False)
             while mask:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,11 @@ def test_dict_operations(d: dict[int, int], ks: list[int], bit: int, limit: int)
         both(lambda ops, s, o=order: ops.or_bits(s[0], o, bit), [d])
         both(lambda ops, s, o=order: ops.clear_bits(s[0], o, bit), [d])
         both(lambda ops, s, o=order: ops.match_runs(s[0], o), [d])
+        # The prefix index's map once trimmed: an OrderedDict, its order kept alike.
+        od = OrderedDict(d)
+        both(lambda ops, s, o=order: ops.or_bits(s[0], o, bit), [od])
+        both(lambda ops, s, o=order: ops.clear_bits(s[0], o, bit), [od])
+        both(lambda ops, s, o=order: ops.match_runs(s[0], o), [od])
 
 
 @settings(max_examples=200, deadline=None)
@@ -170,11 +176,22 @@ def test_match_runs_reads_the_running_and() -> None:
         assert ops.match_runs(d, [99, 10]) == []
 
 
-def test_compiled_refuses_ordered_dicts() -> None:
-    from collections import OrderedDict
-
+def test_compiled_writes_an_ordered_dict_through_its_own_order() -> None:
+    """The holder operations take the trimmed index's OrderedDict and keep its order (a
+    new key last, an update in place, a delete gone from the order too); any other dict
+    subclass, and an OrderedDict where a KV map is expected, are refused."""
+    od = OrderedDict({1: 1, 2: 3, 3: 1})
+    compiled.or_bits(od, [4, 1], 2)
+    assert list(od.items()) == [(1, 3), (2, 3), (3, 1), (4, 2)]
+    compiled.clear_bits(od, [3, 2], 1)
+    assert list(od.items()) == [(1, 3), (2, 2), (4, 2)]
+    assert od.popitem(last=False) == (1, 3)  # the linked order is intact
+    od.move_to_end(2)
+    assert list(od) == [4, 2]
     with pytest.raises(TypeError):
-        compiled.or_bits(OrderedDict({1: 1}), [1], 2)
+        compiled.or_bits(defaultdict(int, {1: 1}), [1], 2)
+    with pytest.raises(TypeError):
+        compiled.prefix_get(OrderedDict({1: 1}), [1], 4)
 
 
 def test_environment_picks_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -275,3 +275,32 @@ def test_long_chain_matches_brute_force_model(
             held[eng].difference_update(hs)
     assert idx.blocks_per_engine == [len(held[e]) for e in ENGINES]
     assert idx.match(chain[:depth]) == brute_match(held, chain[:depth])
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(events=st.lists(event_st, max_size=40), cap=st.integers(1, 20))
+def test_a_trimmed_index_keeps_the_compiled_operations(
+    events: list[tuple[str, str, list[int]]], cap: int
+) -> None:
+    """Past its cap the index keeps its entries in an OrderedDict (oldest out first) and
+    still runs the compiled operations, with what the Python reference gives: the same
+    entries in the same order, the same counts, the same matches."""
+    from wasma.core.blockops import PythonBlockOps, block_ops
+
+    ops = block_ops()
+    if isinstance(ops, PythonBlockOps):
+        pytest.skip("the C extension is not built")
+    fast = PrefixIndex(ENGINES, max_blocks=cap)
+    ref = PrefixIndex(ENGINES, max_blocks=cap, ops=PythonBlockOps())
+    for kind, eng, hs in events:
+        for idx in (fast, ref):
+            if kind == "store":
+                idx.apply(stored(eng, *hs))
+            elif kind == "remove":
+                idx.apply(removed(eng, *hs))
+            else:
+                idx.apply(AllBlocksCleared(eng))
+        assert list(fast._holders.items()) == list(ref._holders.items())
+        assert fast.blocks_per_engine == ref.blocks_per_engine
+        assert fast.match(hs) == ref.match(hs)
+    assert fast._ops is ops  # never swapped for the reference
